@@ -1,0 +1,140 @@
+"""A causal GPT built from the one attention core, with a static KV cache for decoding."""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.attention import CausalSelfAttention, make_norm, rope_cache
+from model.config import GPTConfig
+from model.kv_cache import KVCache
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        # SwiGLU has three matrices instead of two: ~8/3·n_embd hidden units keep the parameter
+        # count equal to GELU's 4·n_embd (rounded up to a multiple of 8).
+        hidden = 8 * math.ceil(config.n_embd / 3) if self.swiglu else 4 * config.n_embd
+        self.fc = nn.Linear(config.n_embd, hidden * (2 if self.swiglu else 1), bias=config.bias)
+        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.proj(F.silu(gate) * up)
+        return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.norm_1 = make_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.norm_2 = make_norm(config, config.n_embd)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, **attn_kwargs):
+        x = x + self.dropout(self.attn(self.norm_1(x), **attn_kwargs))
+        return x + self.dropout(self.mlp(self.norm_2(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
+        if config.pos_emb == "rope":
+            cos, sin = rope_cache(config.block_size, config.head_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_norm(config, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer) so the
+        # residual stream's variance does not grow with depth.
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def num_params(self) -> int:
+        """Parameters, each counted once (a tied head shares the embedding's)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
+        """A cache sized for this model, in its dtype and on its device."""
+        c = self.config
+        max_len = c.block_size if max_len is None else max_len
+        if not 1 <= max_len <= c.block_size:
+            raise ValueError(f"max_len={max_len} must be in 1..block_size={c.block_size}")
+        weight = self.wte.weight
+        return KVCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim,
+                       dtype=dtype or weight.dtype, device=weight.device)
+
+    def forward(self, idx, targets=None, *, kv_cache=None, pad=None):
+        """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets.
+
+        With `kv_cache`, the tokens continue the cached sequence: they take positions
+        kv_cache.length .. +T-1, and the cache advances by T. `pad` (B,) counts left-padding
+        tokens per row (batched prompts of different lengths): pads are never attended to and
+        positions start after them.
+        """
+        T = idx.size(1)
+        start = 0 if kv_cache is None else kv_cache.length
+        limit = self.config.block_size if kv_cache is None else kv_cache.max_len
+        if start + T > limit:
+            raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
+                             f"size {limit}")
+        input_pos = torch.arange(start, start + T, device=idx.device)
+        logits = self.logits_at(idx, input_pos, kv_cache, pad)
+        if kv_cache is not None:
+            kv_cache.length += T
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
+                               ignore_index=-1)
+        return logits, loss
+
+    def logits_at(self, idx, input_pos, kv_cache=None, pad=None):
+        """Logits for tokens idx (B, T) at cache slots input_pos (T,); touches no Python state,
+        so a decode step built on it compiles to one fixed-shape graph."""
+        attn_mask, positions = None, input_pos                         # (T,)
+        if kv_cache is not None or pad is not None:
+            S = kv_cache.max_len if kv_cache is not None else idx.size(1)
+            key_slots = torch.arange(S, device=idx.device)
+            attn_mask = key_slots <= input_pos[:, None]                   # (T, S): causal by slot
+            if pad is not None:
+                # Real queries never see pad keys; pad queries may, so no row is empty (NaN).
+                is_pad_key = key_slots < pad[:, None, None]              # (B, 1, S)
+                is_pad_query = input_pos[:, None] < pad[:, None, None]   # (B, T, 1)
+                attn_mask = (attn_mask & (~is_pad_key | is_pad_query)).unsqueeze(1)  # (B, 1, T, S)
+                positions = (input_pos - pad[:, None]).clamp(min=0)      # (B, T)
+
+        x = self.wte(idx)                                                # (B, T, n_embd)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B,T, hd/2)
+            if positions.dim() == 2:
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, hd/2)
+            rope = (cos, sin)
+        x = self.drop(x)
+        for block in self.blocks:
+            x = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask)
+        return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
