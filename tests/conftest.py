@@ -28,3 +28,33 @@ def shakespeare_path() -> Path:
 @pytest.fixture(scope="session")
 def bpe_path() -> Path:
     return shared_file("GPT2_TIKTOKEN_PATH", "gpt2.tiktoken")
+
+
+def compose(*overrides: str):
+    """The real Hydra config, as train.py would see it (experiment given, so no auto-pick)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose("train", overrides=list(overrides), return_hydra_config=False)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory, shakespeare_path, bpe_path) -> Path:
+    """One prepared-data cache for the whole session; tests pass it as data.cache_dir."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="session")
+def char_data(data_cache, shakespeare_path) -> Path:
+    from data.prepare import prepare
+
+    return prepare(compose(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}").data)
+
+
+@pytest.fixture(scope="session")
+def bpe_data(data_cache, shakespeare_path, bpe_path) -> Path:
+    from data.prepare import prepare
+
+    return prepare(compose("data=shakespeare_bpe", f"data.path={shakespeare_path}",
+                           f"data.bpe_path={bpe_path}", f"data.cache_dir={data_cache}").data)

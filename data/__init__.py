@@ -1,0 +1,1 @@
+"""Corpora, tokenizers and batches: data.tokenizer, data.prepare, data.batches."""

@@ -1,0 +1,146 @@
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from data.batches import Batches
+from data.prepare import load_prepared, prepare
+from data.tokenizer import BPETokenizer, CharTokenizer, DataError, tokenizer_from_meta
+from tests.conftest import ROOT, compose
+
+
+def test_char_split_matches_nanogpt(char_data):
+    meta, train, val = load_prepared(char_data)
+    assert meta["vocab_size"] == 65 and len(meta["vocab"]) == 65
+    assert (meta["train_tokens"], meta["val_tokens"]) == (1_003_854, 111_540)
+    assert (len(train), len(val)) == (1_003_854, 111_540)
+    assert train.dtype == np.uint16
+
+
+def test_bpe_split_matches_nanogpt(bpe_data):
+    meta, train, val = load_prepared(bpe_data)
+    assert meta["tokenizer"] == "bpe" and meta["vocab_size"] == 50257
+    assert (len(train), len(val)) == (301_966, 36_059)
+    assert train.dtype == np.uint16
+
+
+def test_gpt2_bpe_facts(bpe_path):
+    tok = BPETokenizer(str(bpe_path))
+    assert tok.vocab_size == 50257 and tok.eot_token == 50256
+    assert tok.encode("Hello world") == [15496, 995]  # GPT-2's well-known ids
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_round_trip_whole_corpus(kind, shakespeare_path, bpe_path, char_data, bpe_data):
+    text = shakespeare_path.read_text()
+    meta, train, val = load_prepared(char_data if kind == "char" else bpe_data)
+    tok = tokenizer_from_meta(meta, str(bpe_path))
+    assert tok.decode(tok.encode(text)) == text
+    # The prepared arrays decode back to the two halves of the text, split at 90% of characters.
+    cut = int(len(text) * 0.9)
+    assert tok.decode(train.tolist()) == text[:cut] and tok.decode(val.tolist()) == text[cut:]
+
+
+def test_char_oov_error_names_the_characters():
+    tok = CharTokenizer.from_text("abc ")
+    with pytest.raises(DataError, match=r"'z', 'é'"):
+        tok.encode("a zé")
+
+
+def test_reprepare_identical_inputs_does_no_work(char_data, data_cache, shakespeare_path):
+    before = {p.name: p.stat().st_mtime_ns for p in char_data.iterdir()}
+    again = prepare(compose(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}").data)
+    assert again == char_data
+    assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == before
+
+
+def test_changed_input_or_tokenizer_reprepares(tmp_path, bpe_path):
+    corpus = tmp_path / "a.txt"
+    corpus.write_text("hello there, hello again\n" * 40)
+    cfg = compose("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}",
+                  f"data.bpe_path={bpe_path}")
+    first = prepare(cfg.data)
+    corpus.write_text("something else entirely\n" * 40)
+    second = prepare(cfg.data)
+    cfg.data.tokenizer = "bpe"
+    third = prepare(cfg.data)
+    assert len({first, second, third}) == 3
+    assert load_prepared(third)[0]["tokenizer"] == "bpe"
+
+
+def test_text_files_glob_and_list(tmp_path):
+    for name, text in [("b.txt", "second\n"), ("a.txt", "first\n")]:
+        (tmp_path / name).write_text(text * 50)
+    globbed = prepare(compose("data=text_files", f"data.path={tmp_path}/*.txt",
+                              f"data.cache_dir={tmp_path / 'c'}").data)
+    listed = prepare(compose("data=text_files", f"data.path=[{tmp_path}/a.txt,{tmp_path}/b.txt]",
+                             f"data.cache_dir={tmp_path / 'c'}").data)
+    assert globbed == listed
+    meta, train, val = load_prepared(globbed)
+    assert meta["train_tokens"] + meta["val_tokens"] == 50 * len("first\nsecond\n")
+
+
+def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
+    bad = tmp_path / "input.txt"
+    bad.write_text("not shakespeare\n" * 10)
+    cache = tmp_path / "cache"
+    # a local copy with the wrong hash
+    with pytest.raises(DataError, match="sha256"):
+        prepare(compose(f"data.path={bad}", f"data.cache_dir={cache}").data)
+    # a "download" (file:// URL) with the wrong hash
+    with pytest.raises(DataError, match="sha256"):
+        prepare(compose("data.path=null", f"data.url=file://{bad}", f"data.cache_dir={cache}").data)
+    assert not cache.exists() or not any(cache.rglob("*.*"))
+
+
+def run_prepare(*overrides, env=None):
+    return subprocess.run([sys.executable, "-m", "data.prepare", *overrides], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def test_offline_without_local_copy_is_one_line_error(tmp_path):
+    result = run_prepare("data.path=null", f"data.cache_dir={tmp_path}",
+                         env={"HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "data.path=" in result.stderr
+
+
+def test_unreachable_url_is_one_line_error(tmp_path):
+    result = run_prepare("data.path=null", "data.url=http://127.0.0.1:9/input.txt",
+                         f"data.cache_dir={tmp_path}")
+    assert result.returncode == 1 and result.stderr.startswith("error: could not download")
+    assert result.stderr.strip().count("\n") == 0
+
+
+def test_prepare_command_line(char_data, data_cache, shakespeare_path):
+    result = run_prepare(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}")
+    assert result.returncode == 0, result.stderr
+    assert "1,003,854 train and 111,540 val tokens" in result.stdout
+
+
+def test_bad_bpe_file_is_an_error(tmp_path):
+    fake = tmp_path / "gpt2.tiktoken"
+    fake.write_text("aGVsbG8= 0\n")
+    with pytest.raises(DataError, match="GPT2_TIKTOKEN_PATH"):
+        BPETokenizer(str(fake))
+
+
+def test_batches(char_data):
+    _, train, _ = load_prepared(char_data)
+    a = Batches(train, block_size=16, batch_size=4, seed=7)
+    b = Batches(train, block_size=16, batch_size=4, seed=7, on_device=False)
+    x, y = a.next()
+    assert x.shape == y.shape == (4, 16) and x.dtype == torch.long
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are inputs shifted by one
+    bx, by = b.next()
+    assert torch.equal(x, bx) and torch.equal(y, by)  # same seed, same batches, either storage
+    state = a.state_dict()
+    expected = a.next()
+    a.next()
+    a.load_state_dict(state)
+    assert all(torch.equal(u, v) for u, v in zip(a.next(), expected))  # restored RNG state
+    assert not torch.equal(Batches(train, 16, 4, seed=8).next()[0], x)
