@@ -296,7 +296,7 @@ def _train(cfg, tcfg, run_dir, device, rank, world_size, master) -> dict:
     global_batch = tcfg.batch_size * world_size
     train_batches = Batches(train_tokens, config.block_size, global_batch, device=device,
                             seed=tcfg.seed, on_device=cfg.data.on_device)
-    eval_splits = {name: Batches(tokens, config.block_size, tcfg.batch_size, device=device,
+    eval_splits = {name: Batches(tokens, config.block_size, global_batch, device=device,
                                  seed=tcfg.seed, on_device=cfg.data.on_device)
                    for name, tokens in (("train", train_tokens), ("val", val_tokens))}
 

@@ -58,3 +58,29 @@ def bpe_data(data_cache, shakespeare_path, bpe_path) -> Path:
 
     return prepare(compose("data=shakespeare_bpe", f"data.path={shakespeare_path}",
                            f"data.bpe_path={bpe_path}", f"data.cache_dir={data_cache}").data)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(data_cache, shakespeare_path, char_data) -> list[str]:
+    """Overrides for a seconds-long training run of the tiny model on char TinyShakespeare."""
+    return [
+        "experiment=shakespeare_char_cpu", "model=tiny", f"data.path={shakespeare_path}",
+        f"data.cache_dir={data_cache}", "train.batch_size=4", "train.max_iters=12",
+        "train.eval_interval=6", "train.eval_iters=2", "train.log_interval=1",
+        "train.warmup_iters=2", "train.sample_tokens=0",
+    ]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_script(script: str, *args: str, timeout: int = 300, **kwargs):
+    """`python <script> args...` from the repo root, output captured."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
