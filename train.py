@@ -94,11 +94,12 @@ def flops_per_token(config: GPTConfig, n_params: int) -> float:
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def checkpoint_file(path) -> Path:
-    """A checkpoint file, or the one in a run dir (best.pt for sampling, ckpt.pt otherwise)."""
+def checkpoint_file(path, prefer: str = "ckpt.pt") -> Path:
+    """A checkpoint file, or the one in a run dir: `prefer` (ckpt.pt, the last, to resume;
+    best.pt to sample), else the other."""
     path = Path(path).expanduser()
     if path.is_dir():
-        for name in ("ckpt.pt", "best.pt"):
+        for name in (prefer, ({"ckpt.pt", "best.pt"} - {prefer}).pop()):
             if (path / name).is_file():
                 return path / name
         raise RunError(f"no checkpoint (ckpt.pt or best.pt) in {path}")
