@@ -15,30 +15,51 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import DictConfig
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from data.tokenizer import DataError, tokenizer_from_meta
 from model import GPT, GPTConfig
+from model.gpt import left_pad
+from model.quantize import quantize_int8
 from train import RunError, checkpoint_file, load_checkpoint, load_weights, pick_device
 
 
-def load_model(path, device) -> tuple[GPT, object]:
-    """The GPT of a checkpoint in eval mode, and its checkpoint dict."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_model(path, device, dtype: str = "float32", quantize: str | None = None) -> tuple[GPT, dict]:
+    """The GPT of a checkpoint in eval mode, in `dtype`, optionally with int8 weights, and
+    its checkpoint dict."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in (None, "int8"):
+        raise ValueError(f"quantize must be null or int8, got {quantize!r}")
     ckpt = load_checkpoint(checkpoint_file(path, prefer="best.pt"))
     model = GPT(GPTConfig(**ckpt["model_config"]))
     try:
         load_weights(model, ckpt["model"])
     except RuntimeError as e:
+        lines = str(e).splitlines()
         raise RunError(f"checkpoint {path}: weights do not match its model config "
-                       f"({str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e})") from None
-    return model.to(device).eval(), ckpt
+                       f"({lines[1].strip() if len(lines) > 1 else e})") from None
+    if quantize == "int8":
+        quantize_int8(model)
+    return model.to(device=device, dtype=DTYPES[dtype]).eval(), ckpt
 
 
 def compile_decode_step(model: GPT):
     """The one-token step compiled once with fixed shapes: the static cache never changes shape
     and the position comes in as a tensor, so there is one graph (CUDA graphs on GPU)."""
     on_cuda = model.wte.weight.is_cuda
-    step = torch.compile(model.logits_at, mode="reduce-overhead" if on_cuda else None,
-                         dynamic=False, fullgraph=True)
+
+    def logits_at(token, input_pos, cache, pad):
+        # On CPU, one query against the cache is faster as SDPA's math formulation (which
+        # inductor fuses) than through its flash kernel.
+        with sdpa_kernel(list(SDPBackend) if on_cuda else [SDPBackend.MATH]):
+            return model.logits_at(token, input_pos, cache, pad)
+
+    step = torch.compile(logits_at, mode="reduce-overhead" if on_cuda else None, dynamic=False,
+                         fullgraph=True)
 
     def decode_step(token, cache, pad):
         input_pos = torch.tensor([cache.length], device=token.device)
@@ -79,22 +100,20 @@ def sample(cfg: DictConfig, out=sys.stdout) -> list[str]:
     """Generate as cfg says; prints the samples (a single one streams) and returns their texts."""
     check_options(cfg)
     device = pick_device(cfg.device)
-    model, ckpt = load_model(cfg.ckpt, device)
+    model, ckpt = load_model(cfg.ckpt, device, cfg.dtype, cfg.quantize)
     tokenizer = tokenizer_from_meta(ckpt["data_meta"], cfg.bpe_path)
     prompts = read_prompts(cfg)
     encoded = [tokenizer.encode(p) for p in prompts]
     if cfg.attn_plot:
         plot_attention(model, encoded[0], tokenizer, cfg.attn_layer, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
+    decode_step = compile_decode_step(model) if cfg.compile and cfg.kv_cache else None
     if cfg.benchmark:
-        print_benchmark(model, encoded[0], cfg.max_new_tokens, device, out)
+        print_benchmark(model, encoded[0], cfg.max_new_tokens, device, out, decode_step)
         return []
-
-    from model.gpt import left_pad
 
     idx, pad = left_pad(encoded, device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    decode_step = compile_decode_step(model) if cfg.compile and cfg.kv_cache else None
     stream = model.stream(idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                           top_p=cfg.top_p, kv_cache=cfg.kv_cache, generator=generator, pad=pad,
                           decode_step=decode_step)
@@ -139,20 +158,20 @@ def timed_stream(model, idx, max_new_tokens, kv_cache, device, decode_step=None)
     return t1 - t0, time.perf_counter() - t1
 
 
-def print_benchmark(model, prompt_ids, max_new_tokens, device, out=sys.stdout) -> None:
+def print_benchmark(model, prompt_ids, max_new_tokens, device, out=sys.stdout, decode_step=None) -> None:
     """Prefill and decode tokens/s with and without the cache, and the cache's size."""
     idx = torch.tensor([prompt_ids[-model.config.block_size:]], device=device)
     n = max(2, max_new_tokens)
-    timed_stream(model, idx, 8, True, device)  # warm-up
+    timed_stream(model, idx, n, True, device, decode_step)  # warm-up (and compile) at these shapes
     rows = []
     for kv_cache in (True, False):
-        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, device)
+        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, device, decode_step)
         rows.append((kv_cache, idx.size(1) / prefill_s, (n - 1) / decode_s))
     c = model.config
     cache = model.new_kv_cache(1)
-    print(f"model: {model.num_params() / 1e6:.2f}M parameters, n_head={c.n_head} "
-          f"n_kv_head={c.n_kv_head}, prompt {idx.size(1)} tokens, {n} new tokens, batch 1, {device}",
-          file=out)
+    print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} "
+          f"n_embd={c.n_embd}, {cache.k[0].dtype}, prompt {idx.size(1)} tokens, {n} new tokens, "
+          f"batch 1, {device}{', compiled decode step' if decode_step else ''}", file=out)
     print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
     for kv_cache, prefill, decode in rows:
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)

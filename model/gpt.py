@@ -72,6 +72,51 @@ class GPT(nn.Module):
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    @classmethod
+    def from_pretrained(cls, path, dropout: float = 0.0) -> "GPT":
+        """GPT-2 from a local Hugging Face directory (config.json + model.safetensors, as
+        `save_pretrained` writes it), read with safetensors: no `transformers` needed."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+            raise ValueError(f"{path} is not a Hugging Face GPT-2 directory "
+                             f"(config.json and model.safetensors)")
+        hf = json.loads((path / "config.json").read_text())
+        supported = {"activation_function": "gelu_new", "n_inner": None, "scale_attn_weights": True,
+                     "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+                     "tie_word_embeddings": True}
+        for field, value in supported.items():
+            if hf.get(field, value) != value:
+                raise ValueError(f"unsupported GPT-2 config: {field}={hf[field]!r} (supported: {value!r})")
+        config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
+                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                           norm_eps=hf.get("layer_norm_epsilon", 1e-5), dropout=dropout)
+        model = cls(config)
+        weights = {k.removeprefix("transformer."): v for k, v in load_file(path / "model.safetensors").items()}
+        renames = {"ln_1": "norm_1", "ln_2": "norm_2", "attn.c_attn": "attn.qkv",
+                   "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
+        state = {}
+        for key, tensor in weights.items():
+            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
+                continue  # causal-mask buffers of old checkpoints; the head is tied to wte
+            name = key.replace("h.", "blocks.", 1).replace("ln_f.", "norm_f.")
+            for old, new in renames.items():
+                name = name.replace(f".{old}.", f".{new}.")
+            # GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in).
+            is_conv1d = name.endswith(".weight") and any(f".{n}." in name for n in renames.values()
+                                                          if "norm" not in n)
+            state[name] = tensor.t() if is_conv1d else tensor
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match GPT-2 (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+        return model
+
     def num_params(self) -> int:
         """Parameters, each counted once (a tied head shares the embedding's)."""
         return sum(p.numel() for p in self.parameters())

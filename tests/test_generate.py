@@ -184,3 +184,27 @@ def test_compiled_decode_step_matches_eager(tiny_ckpt):
     step = compile_decode_step(model)
     compiled = torch.cat([idx, *(t[:, None] for t in model.stream(idx, 20, temperature=0, decode_step=step))], 1)
     assert torch.equal(eager, compiled)
+
+
+def test_int8_weights_stay_close_and_generate():
+    from model.quantize import Int8Linear, quantize_int8
+
+    model = tiny_model(n_kv_head=2)
+    idx = torch.randint(0, 37, (2, 12))
+    reference = model(idx)
+    quantized = quantize_int8(tiny_model(n_kv_head=2))
+    assert sum(isinstance(m, Int8Linear) for m in quantized.modules()) == 2 * 4 + 1
+    error = (quantized(idx) - reference).norm() / reference.norm()
+    assert error < 0.02
+    bf16 = quantized.to(torch.bfloat16)
+    assert bf16.new_kv_cache(1).k[0].dtype == torch.bfloat16
+    assert bf16.generate(idx, 5, temperature=0).shape == (2, 17)
+
+
+def test_cli_fast_decode_options(tiny_ckpt):
+    result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=12", "temperature=0",
+                          "quantize=int8", "dtype=bfloat16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:")
+    bad = generate_cli(f"ckpt={tiny_ckpt}", "dtype=float16")
+    assert bad.returncode == 1 and "dtype must be one of" in bad.stderr
