@@ -30,13 +30,13 @@ def bpe_path() -> Path:
     return shared_file("GPT2_TIKTOKEN_PATH", "gpt2.tiktoken")
 
 
-def compose(*overrides: str):
+def compose(*overrides: str, config_name: str = "train"):
     """The real Hydra config, as train.py would see it (experiment given, so no auto-pick)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose("train", overrides=list(overrides), return_hydra_config=False)
+        return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=False)
 
 
 @pytest.fixture(scope="session")

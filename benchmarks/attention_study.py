@@ -1,0 +1,146 @@
+"""The MHA vs GQA vs MQA study in one command.
+
+    python benchmarks/attention_study.py                            # CPU default, ~5 minutes on 2 cores
+    python benchmarks/attention_study.py experiment=shakespeare_char # the GPU preset
+
+Trains each attention variant with everything else identical (data, seed, steps, batch, width),
+then measures parameters, best val loss and its curve, KV-cache bytes per token and at block_size,
+decode tokens/s with the cache at batch 1 and a large batch, and training tokens/s. Writes
+study.md and three PNG plots into the study's run dir (Hydra's output dir).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from generate import timed_stream
+from model import GPT, GPTConfig
+from train import DataError, RunError, load_checkpoint, load_weights, pick_device, train
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def variant_config(cfg: DictConfig, variant: str) -> DictConfig:
+    """cfg with the attention group's option `variant` applied, as `attention=<variant>` would."""
+    out = cfg.copy()
+    out.model = OmegaConf.merge(out.model, OmegaConf.load(CONFIGS / "attention" / f"{variant}.yaml"))
+    return out
+
+
+def decode_tokens_per_s(model: GPT, batch_size: int, device) -> float:
+    """Cached greedy decode: prompt of block_size/2 tokens, then decode to block_size."""
+    block = model.config.block_size
+    prompt = torch.randint(0, model.config.vocab_size, (batch_size, max(1, block // 2)), device=device)
+    n = block - prompt.size(1)
+    timed_stream(model, prompt, n, True, device)  # warm-up
+    _, decode_s = timed_stream(model, prompt, n, True, device)
+    return batch_size * (n - 1) / decode_s
+
+
+def measure(run_dir: Path, device, batch_sizes) -> dict:
+    ckpt = load_checkpoint(run_dir / "best.pt")
+    config = GPTConfig(**ckpt["model_config"])
+    model = GPT(config)
+    load_weights(model, ckpt["model"])
+    model = model.to(device).eval()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
+    cache = model.new_kv_cache(1)
+    return {
+        "n_head": config.n_head, "n_kv_head": config.n_kv_head, "params": model.num_params(),
+        "best_val": min(v for _, v in evals), "val_curve": evals,
+        "kv_bytes_per_token": cache.bytes_per_token, "kv_mb_at_block": cache.nbytes / 2**20,
+        "block_size": config.block_size,
+        "decode": {b: decode_tokens_per_s(model, b, device) for b in batch_sizes},
+        "train_tokens_per_s": speeds[len(speeds) // 2],
+    }
+
+
+def write_table(rows: dict, path: Path, batch_sizes) -> str:
+    head = ("| variant | n_kv_head | params | best val | KV bytes/token | KV MB at block_size "
+            f"(batch 1) | {' | '.join(f'decode tok/s, batch {b}' for b in batch_sizes)} | train tok/s |")
+    lines = [head, "|" + " --- |" * (7 + len(batch_sizes))]
+    for name, r in rows.items():
+        decode = " | ".join(f"{r['decode'][b]:,.0f}" for b in batch_sizes)
+        lines.append(f"| {name} | {r['n_kv_head']} | {r['params']:,} | {r['best_val']:.4f} | "
+                     f"{r['kv_bytes_per_token']:,} | {r['kv_mb_at_block']:.3f} | {decode} | "
+                     f"{r['train_tokens_per_s']:,.0f} |")
+    table = "\n".join(lines) + "\n"
+    path.write_text(table)
+    return table
+
+
+def plot(rows: dict, out_dir: Path, batch_sizes) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in rows.items():
+        ax.plot(*zip(*r["val_curve"]), marker="o", label=name)
+    ax.set(xlabel="step", ylabel="val loss", title="Validation loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "val_loss.png", dpi=100)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in rows.items():
+        ax.scatter(r["kv_bytes_per_token"], r["best_val"], s=60)
+        ax.annotate(name, (r["kv_bytes_per_token"], r["best_val"]), xytext=(5, 5), textcoords="offset points")
+    ax.set(xlabel="KV cache bytes per token", ylabel="best val loss", title="Loss vs KV cache size")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "val_vs_kv_bytes.png", dpi=100)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(rows)
+    for i, (name, r) in enumerate(rows.items()):
+        ax.bar([j + i * width for j in range(len(batch_sizes))], [r["decode"][b] for b in batch_sizes],
+               width, label=name)
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(batch_sizes))],
+                  [f"batch {b}" for b in batch_sizes])
+    ax.set(ylabel="decode tokens/s (KV cache)", title="Decode speed by batch size")
+    ax.legend()
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out_dir / "decode_by_batch.png", dpi=100)
+    plt.close("all")
+
+
+def run_study(cfg: DictConfig, out_dir: Path) -> dict:
+    """Train every variant into out_dir/<variant>, measure them, write study.md and the plots."""
+    out_dir = Path(out_dir)
+    device = pick_device(cfg.train.device)
+    batch_sizes = list(cfg.study.decode_batch_sizes)
+    rows = {}
+    for variant in cfg.study.variants:
+        print(f"=== training {variant} ===", flush=True)
+        train(variant_config(cfg, variant), out_dir / variant)
+        rows[variant] = measure(out_dir / variant, device, batch_sizes)
+    table = write_table(rows, out_dir / "study.md", batch_sizes)
+    (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, out_dir, batch_sizes)
+    print(table + f"\nwritten to {out_dir}: study.md, study.json, val_loss.png, val_vs_kv_bytes.png, "
+          f"decode_by_batch.png")
+    return rows
+
+
+@hydra.main(config_path="../configs", config_name="study", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        run_study(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except (DataError, RunError, ValueError) as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
