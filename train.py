@@ -450,8 +450,13 @@ def _train(cfg, tcfg, run_dir, device, rank, world_size, master) -> dict:
 
 
 def init_weights_from(path) -> tuple[GPTConfig, dict]:
-    """Architecture and weights to start from: one of our checkpoints."""
-    ckpt = load_checkpoint(path)
+    """Architecture and weights to start from: a Hugging Face GPT-2 directory or one of our
+    checkpoints (a converted one too)."""
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file():
+        model = GPT.from_pretrained(path)
+        return model.config, model.state_dict()
+    ckpt = load_checkpoint(checkpoint_file(path, prefer="best.pt"))
     return GPTConfig(**ckpt["model_config"]), ckpt["model"]
 
 

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from generate import timed_stream
 from model import GPT, GPTConfig
+from model.convert import convert_checkpoint
 from train import DataError, RunError, load_checkpoint, load_weights, pick_device, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -29,6 +30,20 @@ def variant_config(cfg: DictConfig, variant: str) -> DictConfig:
     out = cfg.copy()
     out.model = OmegaConf.merge(out.model, OmegaConf.load(CONFIGS / "attention" / f"{variant}.yaml"))
     return out
+
+
+def uptrain_config(cfg: DictConfig, out_dir: Path) -> DictConfig:
+    """Convert the study's trained MHA model to the target variant by mean-pooling its K/V heads
+    (Ainslie et al. 2023), and the config that uptrains it for study.uptrain_iters steps."""
+    target = variant_config(cfg, cfg.study.uptrain_to)
+    n_kv_head = OmegaConf.to_container(target.model, resolve=True)["n_kv_head"]
+    converted = out_dir / f"mha_to_{cfg.study.uptrain_to}.pt"
+    convert_checkpoint(out_dir / "mha", n_kv_head, converted)
+    target.init_from = str(converted)
+    target.train.max_iters = cfg.study.uptrain_iters
+    target.train.warmup_iters = min(cfg.train.warmup_iters, cfg.study.uptrain_iters // 10)
+    target.train.eval_interval = max(1, cfg.study.uptrain_iters // 4)
+    return target
 
 
 def decode_tokens_per_s(model: GPT, batch_size: int, device) -> float:
@@ -124,6 +139,11 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
         print(f"=== training {variant} ===", flush=True)
         train(variant_config(cfg, variant), out_dir / variant)
         rows[variant] = measure(out_dir / variant, device, batch_sizes)
+    if cfg.study.uptrain_iters and "mha" in rows:
+        name = f"{cfg.study.uptrain_to} uptrained from mha ({cfg.study.uptrain_iters} steps)"
+        print(f"=== {name} ===", flush=True)
+        train(uptrain_config(cfg, out_dir), out_dir / "uptrained")
+        rows[name] = measure(out_dir / "uptrained", device, batch_sizes)
     table = write_table(rows, out_dir / "study.md", batch_sizes)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out_dir, batch_sizes)
