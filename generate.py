@@ -21,8 +21,7 @@ from data.tokenizer import DataError, tokenizer_from_meta
 from model import GPT, GPTConfig
 from model.gpt import left_pad
 from model.quantize import quantize_int8
-from train import RunError, checkpoint_file, load_checkpoint, load_weights, pick_device
-
+from train import RunError, checkpoint_file, exit_on_user_error, load_checkpoint, load_weights, pick_device
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -223,10 +222,7 @@ def plot_attention(model: GPT, prompt_ids, tokenizer, layer: int, path) -> None:
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    try:
-        sample(cfg)
-    except (DataError, RunError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    exit_on_user_error(sample, cfg)
 
 
 if __name__ == "__main__":

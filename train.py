@@ -477,14 +477,23 @@ def with_default_experiment(argv: list[str]) -> list[str]:
     return [*argv, f"experiment={recipe}"]
 
 
-@hydra.main(config_path="configs", config_name="train", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
+def exit_on_user_error(fn, *args):
+    """Run fn; a problem with the user's input or setup ends the process with one line, exit 1."""
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        return fn(*args)
     except (DataError, RunError, ValueError) as e:
         sys.exit(f"error: {e}")
+
+
+def hydra_run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+@hydra.main(config_path="configs", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    exit_on_user_error(train, cfg, hydra_run_dir())
 
 
 if __name__ == "__main__":

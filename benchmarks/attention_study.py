@@ -10,7 +10,6 @@ study.md and three PNG plots into the study's run dir (Hydra's output dir).
 """
 
 import json
-import sys
 from pathlib import Path
 
 import hydra
@@ -20,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from generate import timed_stream
 from model import GPT, GPTConfig
 from model.convert import convert_checkpoint
-from train import DataError, RunError, load_checkpoint, load_weights, pick_device, train
+from train import exit_on_user_error, hydra_run_dir, load_checkpoint, load_weights, pick_device, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -41,6 +40,7 @@ def uptrain_config(cfg: DictConfig, out_dir: Path) -> DictConfig:
     convert_checkpoint(out_dir / "mha", n_kv_head, converted)
     target.init_from = str(converted)
     target.train.max_iters = cfg.study.uptrain_iters
+    target.train.lr = cfg.study.uptrain_lr
     target.train.warmup_iters = min(cfg.train.warmup_iters, cfg.study.uptrain_iters // 10)
     target.train.eval_interval = max(1, cfg.study.uptrain_iters // 4)
     return target
@@ -154,12 +154,7 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
 
 @hydra.main(config_path="../configs", config_name="study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
-    try:
-        run_study(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (DataError, RunError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    exit_on_user_error(run_study, cfg, hydra_run_dir())
 
 
 if __name__ == "__main__":

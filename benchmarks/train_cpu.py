@@ -48,7 +48,8 @@ def main() -> None:
     print(f"| nanoGPT, measured in ../shared/FACTS.md | {NANOGPT['wall_s']:.0f} | "
           f"{NANOGPT['ms_per_iter']:.0f} | {NANOGPT['best_val']:.4f} | step 2000 |")
     for name, r in rows.items():
-        print(f"| {name} | {r['wall_s']:.0f} | {r['ms_per_iter']:.1f} | {r['best_val']:.4f} | {r['to_1.88']} |")
+        print(f"| {name} | {r['wall_s']:.0f} | {r['ms_per_iter']:.1f} | {r['best_val']:.4f} | "
+              f"{r['to_1.88']} |")
     same = rows["nanoGPT CPU recipe (identical config)"]
     ours = rows["our CPU main job (python train.py)"]
     print(f"\niterations/s vs nanoGPT's anchor at the identical config: "

@@ -96,7 +96,8 @@ class GPT(nn.Module):
                            n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                            norm_eps=hf.get("layer_norm_epsilon", 1e-5), dropout=dropout)
         model = cls(config)
-        weights = {k.removeprefix("transformer."): v for k, v in load_file(path / "model.safetensors").items()}
+        weights = load_file(path / "model.safetensors")
+        weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
         renames = {"ln_1": "norm_1", "ln_2": "norm_2", "attn.c_attn": "attn.qkv",
                    "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
         state = {}
@@ -212,7 +213,8 @@ class GPT(nn.Module):
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         block_size = self.config.block_size
         seq = idx
-        cache = self.new_kv_cache(idx.size(0), min(block_size, idx.size(1) + max_new_tokens)) if kv_cache else None
+        cache_len = min(block_size, idx.size(1) + max_new_tokens)
+        cache = self.new_kv_cache(idx.size(0), cache_len) if kv_cache else None
 
         def run_context(context_len):
             """Logits of the last position, running the last context_len tokens from scratch."""

@@ -182,7 +182,8 @@ def test_compiled_decode_step_matches_eager(tiny_ckpt):
     idx = torch.randint(0, 65, (2, 5))
     eager = model.generate(idx, 20, temperature=0)
     step = compile_decode_step(model)
-    compiled = torch.cat([idx, *(t[:, None] for t in model.stream(idx, 20, temperature=0, decode_step=step))], 1)
+    new = model.stream(idx, 20, temperature=0, decode_step=step)
+    compiled = torch.cat([idx, *(t[:, None] for t in new)], 1)
     assert torch.equal(eager, compiled)
 
 

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,7 +39,8 @@ def test_every_experiment_composes(experiment, attention, ratio):
 def test_nanogpt_recipes():
     gpu = compose("experiment=shakespeare_char")
     assert (gpu.model.n_layer, gpu.model.n_head, gpu.model.n_embd, gpu.model.block_size) == (6, 6, 384, 256)
-    assert (gpu.train.batch_size, gpu.train.max_iters, gpu.model.dropout, gpu.train.beta2) == (64, 5000, 0.2, 0.99)
+    assert (gpu.train.batch_size, gpu.train.max_iters) == (64, 5000)
+    assert (gpu.model.dropout, gpu.train.beta2, gpu.train.lr, gpu.train.min_lr) == (0.2, 0.99, 1e-3, 1e-4)
     cpu = compose("experiment=shakespeare_char_cpu")
     assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.n_embd, cpu.model.block_size) == (4, 4, 128, 64)
     assert (cpu.train.batch_size, cpu.train.max_iters, cpu.model.dropout) == (12, 2000, 0.0)
