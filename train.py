@@ -266,12 +266,12 @@ def _train(cfg, tcfg, run_dir, device, rank, world_size, master) -> dict:
     np.random.seed(tcfg.seed)
     amp = autocast_for(device, tcfg.dtype)
 
-    # Data: prepared once (rank 0 first, so DDP ranks do not race on the cache).
-    if master:
-        prepared = prepare(cfg.data)
-    if world_size > 1:
+    # Data: rank 0 prepares while the other ranks wait, then they find it prepared.
+    if world_size > 1 and not master:
         dist.barrier()
     prepared = prepare(cfg.data)
+    if world_size > 1 and master:
+        dist.barrier()
     meta, train_tokens, val_tokens = load_prepared(prepared)
 
     # Model: from the config, or the architecture of an init_from / resume checkpoint.

@@ -25,9 +25,6 @@ class Batches:
         self.generator = torch.Generator().manual_seed(seed)
         self.offsets = torch.arange(block_size + 1)
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def next(self):
         starts = torch.randint(len(self.tokens) - self.block_size, (self.batch_size,),
                                generator=self.generator)
