@@ -325,11 +325,11 @@ def _train(cfg, tcfg, run_dir, device, rank, world_size, master) -> dict:
 
     import wandb
 
-    run = wandb.init(mode=cfg.wandb.mode if master else "disabled", project=cfg.wandb.project,
-                     name=cfg.wandb.name, dir=str(run_dir),
-                     config=OmegaConf.to_container(cfg, resolve=True))
-    metrics_path = run_dir / "metrics.jsonl"
+    resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
     run_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(mode=cfg.wandb.mode if master else "disabled", project=cfg.wandb.project,
+                     name=cfg.wandb.name, dir=str(run_dir), config=resolved_cfg)
+    metrics_path = run_dir / "metrics.jsonl"
 
     def record(entry: dict):
         entry["elapsed_s"] = time.perf_counter() - start_time  # time to a loss, evals included
@@ -346,7 +346,7 @@ def _train(cfg, tcfg, run_dir, device, rank, world_size, master) -> dict:
             "step": step,
             "best_val": best_val,
             "rng": rng_state(train_batches),
-            "config": OmegaConf.to_container(cfg, resolve=True),
+            "config": resolved_cfg,
             "data_meta": meta,
         }
         if master:

@@ -212,14 +212,17 @@ class GPT(nn.Module):
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         block_size = self.config.block_size
-        seq = idx
-        cache_len = min(block_size, idx.size(1) + max_new_tokens)
+        B, T = idx.shape
+        tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
+        length = T
+        cache_len = min(block_size, T + max_new_tokens)
         cache = self.new_kv_cache(idx.size(0), cache_len) if kv_cache else None
 
         def run_context(context_len):
             """Logits of the last position, running the last context_len tokens from scratch."""
-            context = seq[:, -context_len:]
-            context_pad = None if pad is None else (pad - (seq.size(1) - context.size(1))).clamp(min=0)
+            context = tokens[:, max(0, length - context_len):length]
+            context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
             if cache is not None:
                 cache.reset()
             return self(context, kv_cache=cache, pad=context_pad)[:, -1]
@@ -230,7 +233,8 @@ class GPT(nn.Module):
             yield token
             if i == max_new_tokens - 1:
                 break
-            seq = torch.cat([seq, token[:, None]], dim=1)
+            tokens[:, length] = token
+            length += 1
             if cache is None:
                 logits = run_context(block_size)
             elif cache.length == cache.max_len:
