@@ -9,10 +9,13 @@ Checkpoints", §2.1: each new key (value) head is the mean of the original heads
 
 import argparse
 import dataclasses
-import sys
+from pathlib import Path
 
 import torch
 
+from data.errors import run_guarded
+from model import checkpoint
+from model.checkpoint import Checkpoint
 from model.config import GPTConfig
 
 
@@ -40,19 +43,14 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
     """Read our checkpoint `src` (a run dir's best.pt, or a file), write the converted one to
     `out`; returns the old and new model configs."""
-    from pathlib import Path
-
-    from train import checkpoint_file, load_checkpoint, save_checkpoint
-
-    ckpt = load_checkpoint(checkpoint_file(src, prefer="best.pt"))
-    config = GPTConfig(**ckpt["model_config"])
-    state, new_config = mean_pool_kv(ckpt["model"], config, n_kv_head)
+    ckpt = checkpoint.load(src, prefer="best.pt")
+    weights, new_config = mean_pool_kv(ckpt.model, ckpt.model_config, n_kv_head)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_checkpoint(out, {"model": state, "model_config": dataclasses.asdict(new_config),
-                          "data_meta": ckpt["data_meta"], "config": ckpt.get("config", {}),
-                          "converted_from": {"path": str(src), "n_kv_head": config.n_kv_head}})
-    return config, new_config
+    checkpoint.save(out, Checkpoint(
+        model=weights, model_config=new_config, data_meta=ckpt.data_meta, config=ckpt.config,
+        converted_from={"path": str(src), "n_kv_head": ckpt.model_config.n_kv_head}))
+    return ckpt.model_config, new_config
 
 
 def main(argv=None) -> None:
@@ -61,13 +59,7 @@ def main(argv=None) -> None:
     p.add_argument("--n-kv-head", type=int, required=True, help="the target number of key/value heads")
     p.add_argument("--out", required=True, help="where to write the converted checkpoint")
     args = p.parse_args(argv)
-
-    from train import RunError
-
-    try:
-        old, new = convert_checkpoint(args.ckpt, args.n_kv_head, args.out)
-    except (RunError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    old, new = run_guarded(convert_checkpoint, args.ckpt, args.n_kv_head, args.out)
     print(f"{args.out}: n_kv_head {old.n_kv_head} -> {new.n_kv_head} (KV cache "
           f"{old.n_kv_head / new.n_kv_head:g}x smaller); uptrain with train.py init_from={args.out}")
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from model.attention import CausalSelfAttention, make_norm, rope_cache
 from model.config import GPTConfig
+from model.generation import generate
 from model.kv_cache import KVCache
 
 
@@ -122,6 +123,18 @@ class GPT(nn.Module):
         """Parameters, each counted once (a tied head shares the embedding's)."""
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per parameter plus attention's 12·n_layer·n_embd·block_size."""
+        c = self.config
+        return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def configure_optimizer(self, lr, betas, weight_decay, fused=False) -> torch.optim.AdamW:
+        """AdamW with weight decay on matrices only (not on biases and norm weights)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
+
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache sized for this model, in its dtype and on its device."""
         c = self.config
@@ -149,7 +162,7 @@ class GPT(nn.Module):
         input_pos = torch.arange(start, start + T, device=idx.device)
         logits = self.logits_at(idx, input_pos, kv_cache, pad)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.advance(T)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
@@ -185,100 +198,5 @@ class GPT(nn.Module):
             x = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask)
         return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
 
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-                 kv_cache=True, generator=None):
-        """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
-        prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
-        tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy."""
-        prompts, pad = left_pad(idx, self.wte.weight.device)
-        new = list(self.stream(prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad))
-        out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
-        return out if isinstance(idx, torch.Tensor) else [row[p:] for row, p in zip(out, pad.tolist())]
-
-    @torch.no_grad()
-    def stream(self, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-               kv_cache=True, generator=None, pad=None, decode_step=None):
-        """Yield the next token of every row, (B,), max_new_tokens times.
-
-        Without the cache, each step runs the whole context, cropped to block_size: the reference.
-        With it, the prompt is prefilled once and each step feeds one token to a static KVCache.
-        When the cache is full, it is refilled from the most recent block_size // 2 tokens, so
-        generation goes on past block_size for learned and RoPE positions alike. Both paths draw
-        randomness in the same order. `decode_step` (from `compile_decode_step`) replaces the
-        eager one-token step.
-        """
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        block_size = self.config.block_size
-        B, T = idx.shape
-        tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
-        tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
-        length = T
-        cache_len = min(block_size, T + max_new_tokens)
-        cache = self.new_kv_cache(idx.size(0), cache_len) if kv_cache else None
-
-        def run_context(context_len):
-            """Logits of the last position, running the last context_len tokens from scratch."""
-            context = tokens[:, max(0, length - context_len):length]
-            context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
-            if cache is not None:
-                cache.reset()
-            return self(context, kv_cache=cache, pad=context_pad)[:, -1]
-
-        logits = run_context(block_size)                                 # prefill
-        for i in range(max_new_tokens):
-            token = sample_next(logits, temperature, top_k, top_p, generator)  # (B,)
-            yield token
-            if i == max_new_tokens - 1:
-                break
-            tokens[:, length] = token
-            length += 1
-            if cache is None:
-                logits = run_context(block_size)
-            elif cache.length == cache.max_len:
-                logits = run_context(max(1, block_size // 2))
-            elif decode_step is not None:
-                logits = decode_step(token[:, None], cache, pad)
-            else:
-                logits = self(token[:, None], kv_cache=cache, pad=pad)[:, -1]
-
-
-def left_pad(prompts, device):
-    """A (B, T) tensor as is, or a list of 1-D prompts left-padded with zeros into one.
-    Returns (idx, pad) where pad (B,) counts the padding of each row, or None."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.size(1) == 0:
-            raise ValueError(f"prompts must be (B, T) with T >= 1, got shape {tuple(prompts.shape)}")
-        return prompts.to(device), None
-    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
-    if not rows or min(len(r) for r in rows) == 0:
-        raise ValueError("every prompt needs at least one token")
-    T = max(len(r) for r in rows)
-    idx = torch.zeros(len(rows), T, dtype=torch.long)
-    for b, r in enumerate(rows):
-        idx[b, T - len(r):] = r
-    pad = torch.tensor([T - len(r) for r in rows], device=device)
-    return idx.to(device), pad if pad.any() else None
-
-
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax sampling
-    restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = F.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens before it already reach top_p.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    # model.generate(idx, max_new_tokens, ...) is model.generation.generate(model, idx, ...)
+    generate = generate

@@ -6,9 +6,10 @@ import torch
 class KVCache:
     """Per layer, K and V of shape (B, n_kv_head, max_len, hd).
 
-    `length` counts the positions written so far; the GPT writes new keys/values at slots
-    length .. length+T-1 and advances it. Slots past `length` hold stale values that the
-    attention mask hides, so the shapes never change (which is what lets decode be compiled).
+    `length` counts the positions written so far, and only the cache changes it (`advance`,
+    `reset`): the GPT writes new keys/values at slots length .. length+T-1, then advances the
+    cache by T. Slots past `length` hold stale values that the attention mask hides, so the shapes
+    never change (which is what lets decode be compiled).
     """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, *,
@@ -25,7 +26,13 @@ class KVCache:
         self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
         return self.k[layer], self.v[layer]
 
-    def reset(self):
+    def advance(self, n: int) -> None:
+        """Count n more positions as written."""
+        if self.length + n > self.max_len:
+            raise ValueError(f"{self.length + n} positions exceed the cache size {self.max_len}")
+        self.length += n
+
+    def reset(self) -> None:
         self.length = 0
 
     @property

@@ -1,0 +1,80 @@
+"""Where and in what precision a model runs: the device a name picks, the processes of a
+torchrun job, training's autocast, the dtypes a model can be loaded in, and a clock that waits
+for the device."""
+
+import os
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str = "auto", option: str = "device") -> torch.device:
+    """`auto` is CUDA when it is available, else the CPU. `option` is the config key the name
+    came from, for the error message."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option}={name!r} is not one of auto, cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option}={name} but CUDA is not available")
+    return device
+
+
+def init_distributed(device_name: str, option: str = "train.device") -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). Under torchrun: one process group (NCCL on GPU, gloo on CPU),
+    each process on its own GPU. Otherwise (0, 1, the device the name picks)."""
+    device = pick_device(device_name, option)
+    if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+@contextmanager
+def main_process_first():
+    """Under torchrun, the body runs on rank 0 first and on the other ranks after it, so they
+    find what rank 0 prepared instead of all preparing it at once."""
+    rank = dist.get_rank() if dist.is_initialized() else None
+    if rank not in (None, 0):
+        dist.barrier()
+    yield
+    if rank == 0:
+        dist.barrier()
+
+
+def check_dtype(dtype: str, option: str = "dtype") -> torch.dtype:
+    if dtype not in DTYPES:
+        raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def autocast(device: torch.device, dtype: str = "auto"):
+    """The training precision: bf16 autocast on CUDA by default, plain float32 on CPU."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if check_dtype(dtype, "train.dtype") == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def synchronized_clock(device: torch.device):
+    """time.perf_counter that first waits for the device's queued work (CUDA runs async)."""
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock():
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return clock

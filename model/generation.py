@@ -1,0 +1,161 @@
+"""Producing tokens from a GPT: sampling, batched prompts, the cached and uncached streams, the
+compiled one-token decode step, and timing.
+
+    generate(model, idx, 100, temperature=0.8, top_k=200)   # prompt + 100 new tokens
+    for token in stream(model, idx, 100): ...               # (B,) new tokens, one step at a time
+
+`GPT.generate` is `generate` as a method. Both paths (`kv_cache=True/False`) draw random numbers
+in the same order, so with the same seed they produce the same tokens.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from model.device import synchronized_clock
+
+
+def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None) -> None:
+    """The sampling options' ranges; each message names the option."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 or null, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax sampling
+    restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens before it already reach top_p.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def left_pad(prompts, device):
+    """A (B, T) tensor as is, or a list of 1-D prompts left-padded with zeros into one.
+    Returns (idx, pad) where pad (B,) counts the padding of each row, or None."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.size(1) == 0:
+            raise ValueError(f"prompts must be (B, T) with T >= 1, got shape {tuple(prompts.shape)}")
+        return prompts.to(device), None
+    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if not rows or min(len(r) for r in rows) == 0:
+        raise ValueError("every prompt needs at least one token")
+    T = max(len(r) for r in rows)
+    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        idx[b, T - len(r):] = r
+    pad = torch.tensor([T - len(r) for r in rows], device=device)
+    return idx.to(device), pad if pad.any() else None
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+             kv_cache=True, generator=None):
+    """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
+    prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
+    tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy."""
+    prompts, pad = left_pad(idx, model.wte.weight.device)
+    new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
+                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad))
+    out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
+    return out if isinstance(idx, torch.Tensor) else [row[p:] for row, p in zip(out, pad.tolist())]
+
+
+@torch.no_grad()
+def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+           kv_cache=True, generator=None, pad=None, decode_step=None):
+    """Yield the next token of every row, (B,), max_new_tokens times.
+
+    Without the cache, each step runs the whole context, cropped to block_size: the reference.
+    With it, the prompt is prefilled once and each step feeds one token to a static KVCache.
+    When the cache is full, it is refilled from the most recent block_size // 2 tokens, so
+    generation goes on past block_size for learned and RoPE positions alike. `decode_step`
+    (from `compile_decode_step`) replaces the eager one-token step.
+    """
+    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    block_size = model.config.block_size
+    B, T = idx.shape
+    tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
+    length = T
+    cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens)) if kv_cache else None
+
+    logits = run_context(model, tokens[:, :length], block_size, cache, pad)  # prefill
+    for i in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, generator)      # (B,)
+        yield token
+        if i == max_new_tokens - 1:
+            break
+        tokens[:, length] = token
+        length += 1
+        if cache is None:
+            logits = run_context(model, tokens[:, :length], block_size, cache, pad)
+        elif cache.length == cache.max_len:
+            logits = run_context(model, tokens[:, :length], max(1, block_size // 2), cache, pad)
+        elif decode_step is not None:
+            logits = decode_step(token[:, None], cache, pad)
+        else:
+            logits = model(token[:, None], kv_cache=cache, pad=pad)[:, -1]
+
+
+def run_context(model, tokens, context_len, cache=None, pad=None):
+    """Logits (B, vocab) after the last context_len of `tokens` (B, length), run from scratch
+    (into an emptied cache, if one is given)."""
+    length = tokens.size(1)
+    context = tokens[:, max(0, length - context_len):]                   # (B, <= context_len)
+    context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
+    if cache is not None:
+        cache.reset()
+    return model(context, kv_cache=cache, pad=context_pad)[:, -1]
+
+
+def compile_decode_step(model):
+    """The one-token step compiled once with fixed shapes: the static cache never changes shape
+    and the position comes in as a tensor, so there is one graph (CUDA graphs on GPU)."""
+    on_cuda = model.wte.weight.is_cuda
+
+    def logits_at(token, input_pos, cache, pad):
+        # On CPU, one query against the cache is faster as SDPA's math formulation (which
+        # inductor fuses) than through its flash kernel.
+        with sdpa_kernel(list(SDPBackend) if on_cuda else [SDPBackend.MATH]):
+            return model.logits_at(token, input_pos, cache, pad)
+
+    step = torch.compile(logits_at, mode="reduce-overhead" if on_cuda else None, dynamic=False,
+                         fullgraph=True)
+
+    def decode_step(token, cache, pad):
+        input_pos = torch.tensor([cache.length], device=token.device)
+        logits = step(token, input_pos, cache, pad)                      # (B, 1, vocab)
+        cache.advance(1)
+        return logits[:, -1]
+
+    return decode_step
+
+
+def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None) -> tuple[float, float]:
+    """(seconds to the first token, seconds for the rest) of one greedy generation."""
+    clock = synchronized_clock(idx.device)
+    t0 = clock()
+    tokens = stream(model, idx, max_new_tokens, temperature=0, kv_cache=kv_cache, decode_step=decode_step)
+    next(tokens)
+    t1 = clock()
+    for _ in tokens:
+        pass
+    return t1 - t0, clock() - t1
