@@ -3,8 +3,6 @@
 import numpy as np
 import torch
 
-from data.tokenizer import DataError
-
 
 class Batches:
     """Draws (x, y) batches of shape (batch_size, block_size) where y is x shifted by one.
@@ -17,7 +15,8 @@ class Batches:
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, *, device="cpu",
                  seed: int = 0, on_device: bool = True):
         if len(tokens) <= block_size:
-            raise DataError(f"the split has {len(tokens)} tokens, not enough for block_size={block_size}")
+            raise ValueError(f"the split has {len(tokens)} tokens, not enough for "
+                             f"model.block_size={block_size}")
         self.block_size, self.batch_size = block_size, batch_size
         self.device = torch.device(device)
         self.on_device = on_device

@@ -2,6 +2,9 @@
 Hugging Face `datasets`, and write uint16/uint32 token arrays plus meta.json. Idempotent.
 
     python -m data.prepare data=shakespeare_char     # or data=shakespeare_bpe, data=text_files ...
+
+`DataConfig` is the schema of the `data` config group (configs/data/); `prepare(DataConfig)`
+returns the folder of the prepared arrays and `load_prepared` reads it back.
 """
 
 import glob
@@ -9,17 +12,51 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
+import hydra
 import numpy as np
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
-from data.tokenizer import BPETokenizer, CharTokenizer, DataError
+from data.errors import run_guarded
+from data.tokenizer import BPETokenizer, CharTokenizer
 
 FORMAT_VERSION = 1
+TOKENIZERS = ("char", "bpe")
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+
+@dataclass
+class DataConfig:
+    """The `data` group: which corpus, how it is tokenized and split, where the result goes."""
+
+    name: str = "shakespeare"
+    tokenizer: str = "char"
+    path: Any = None  # a file, a list of files or a glob; None: download `url`
+    url: str | None = TINYSHAKESPEARE_URL
+    sha256: str | None = TINYSHAKESPEARE_SHA256  # of the corpus: a file that does not match is never used
+    bpe_path: str | None = None  # a local gpt2.tiktoken; None: tiktoken downloads it
+    cache_dir: str = "~/.cache/kvgpt"
+    val_fraction: float = 0.1
+    on_device: bool = True  # keep the token arrays on the training device
+
+    def __post_init__(self):
+        if self.path is not None:  # the command line may hand over a number
+            self.path = [str(p) for p in self.path] if isinstance(self.path, list) else str(self.path)
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(f"data.tokenizer={self.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+
+
+ConfigStore.instance().store(group="data", name="schema", node=DataConfig)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -30,24 +67,24 @@ def offline() -> bool:
     return any(os.environ.get(v) == "1" for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
 
 
-def cache_dir(cfg) -> Path:
+def cache_dir(cfg: DataConfig) -> Path:
     return Path(os.path.expanduser(str(cfg.cache_dir)))
 
 
-def corpus_files(cfg) -> list[Path]:
+def corpus_files(cfg: DataConfig) -> list[Path]:
     """The corpus as local files: data.path (a file, a list, or a glob), else a verified download."""
-    if cfg.get("path"):
+    if cfg.path:
         patterns = [cfg.path] if isinstance(cfg.path, str | os.PathLike) else list(cfg.path)
         files = []
         for pattern in map(os.path.expanduser, map(str, patterns)):
             matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
             if not matches or not all(os.path.isfile(m) for m in matches):
-                raise DataError(f"data.path: no such file: {pattern}")
+                raise FileNotFoundError(f"data.path: no such file: {pattern}")
             files += map(Path, matches)
         return files
-    if cfg.get("url"):
-        return [download(cfg.url, cfg.get("sha256"), cache_dir(cfg) / "downloads")]
-    raise DataError("data.path is not set: give a text file, a list of files or a glob")
+    if cfg.url:
+        return [download(cfg.url, cfg.sha256, cache_dir(cfg) / "downloads")]
+    raise ValueError("data.path is not set: give a text file, a list of files or a glob")
 
 
 def download(url: str, sha256: str | None, dest_dir: Path) -> Path:
@@ -57,14 +94,14 @@ def download(url: str, sha256: str | None, dest_dir: Path) -> Path:
         return dest
     hint = f"set data.path=/path/to/{dest.name} to use a local copy"
     if offline():
-        raise DataError(f"offline (HF_DATASETS_OFFLINE=1) and no local copy of {url}: {hint}")
+        raise ConnectionError(f"offline (HF_DATASETS_OFFLINE=1) and no local copy of {url}: {hint}")
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             data = response.read()
     except OSError as e:  # URLError, timeouts, refused connections
-        raise DataError(f"could not download {url} ({getattr(e, 'reason', e)}): {hint}") from None
+        raise ConnectionError(f"could not download {url} ({getattr(e, 'reason', e)}): {hint}") from None
     if sha256 is not None and sha256_bytes(data) != sha256:
-        raise DataError(f"{url} has sha256 {sha256_bytes(data)}, expected {sha256}: not used; {hint}")
+        raise ValueError(f"{url} has sha256 {sha256_bytes(data)}, expected {sha256}: not used; {hint}")
     dest_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=dest_dir, delete=False) as f:
         f.write(data)
@@ -72,14 +109,14 @@ def download(url: str, sha256: str | None, dest_dir: Path) -> Path:
     return dest
 
 
-def prepare(cfg) -> Path:
+def prepare(cfg: DataConfig) -> Path:
     """Prepare the corpus described by a `data` config; returns the folder of the token arrays.
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
     raw = b"".join(f.read_bytes() for f in files)
     source_sha256 = sha256_bytes(raw)
-    if cfg.get("sha256") and source_sha256 != cfg.sha256:
-        raise DataError(f"{', '.join(map(str, files))} has sha256 {source_sha256}, expected "
+    if cfg.sha256 and source_sha256 != cfg.sha256:
+        raise ValueError(f"{', '.join(map(str, files))} has sha256 {source_sha256}, expected "
                         f"{cfg.sha256}: not used; point data.path at a good copy")
     key = sha256_bytes(json.dumps([FORMAT_VERSION, source_sha256, cfg.tokenizer,
                                    cfg.val_fraction]).encode())[:16]
@@ -94,13 +131,8 @@ def prepare(cfg) -> Path:
                           cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
     text = "".join(corpus["text"])
     if not text:
-        raise DataError(f"the corpus is empty: {', '.join(map(str, files))}")
-    if cfg.tokenizer == "char":
-        tokenizer = CharTokenizer.from_text(text)
-    elif cfg.tokenizer == "bpe":
-        tokenizer = BPETokenizer(cfg.get("bpe_path"))
-    else:
-        raise DataError(f"data.tokenizer={cfg.tokenizer!r} is not one of char, bpe")
+        raise ValueError(f"the corpus is empty: {', '.join(map(str, files))}")
+    tokenizer = CharTokenizer.from_text(text) if cfg.tokenizer == "char" else BPETokenizer(cfg.bpe_path)
 
     cut = int(len(text) * (1 - cfg.val_fraction))  # first 90% of the characters train
     parts = Dataset.from_dict({"split": ["train", "val"], "text": [text[:cut], text[cut:]]})
@@ -142,19 +174,18 @@ def load_prepared(prepared_dir: Path):
     return meta, train, val
 
 
-def main(argv: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=argv)
-    try:
-        out_dir = prepare(cfg.data)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+def report(cfg) -> None:
+    """`python -m data.prepare`: prepare cfg.data and say what is where."""
+    out_dir = prepare(OmegaConf.to_object(cfg.data))
     meta = load_prepared(out_dir)[0]
     print(f"{out_dir}: {meta['tokenizer']} vocab {meta['vocab_size']}, "
           f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
 
 
+@hydra.main(config_path="../configs", config_name="prepare", version_base="1.3")
+def main(cfg) -> None:
+    run_guarded(report, cfg)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

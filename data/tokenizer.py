@@ -10,10 +10,6 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 GPT2_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
-class DataError(Exception):
-    """A problem with the user's data or setup, reported as one line, never a traceback."""
-
-
 class CharTokenizer:
     name = "char"
 
@@ -34,7 +30,7 @@ class CharTokenizer:
             return [self.stoi[c] for c in text]
         except KeyError:
             missing = sorted(set(text) - self.stoi.keys())
-            raise DataError(
+            raise ValueError(
                 f"characters not in this model's vocabulary: {', '.join(map(repr, missing))}"
             ) from None
 
@@ -66,19 +62,16 @@ def gpt2_encoding(bpe_path: str | None = None) -> tiktoken.Encoding:
     """GPT-2's encoding from a local gpt2.tiktoken (argument or $GPT2_TIKTOKEN_PATH), else through
     tiktoken's own download and cache. Either way tiktoken verifies the file's sha256."""
     bpe_path = bpe_path or os.environ.get("GPT2_TIKTOKEN_PATH")
+    if bpe_path and not os.path.isfile(bpe_path):
+        raise FileNotFoundError(f"GPT-2 BPE file not found: {bpe_path} (data.bpe_path / GPT2_TIKTOKEN_PATH)")
     try:
         if not bpe_path:
             return tiktoken.get_encoding("r50k_base")  # the same encoding as "gpt2"
-        if not os.path.isfile(bpe_path):
-            raise DataError(f"GPT-2 BPE file not found: {bpe_path} (data.bpe_path / GPT2_TIKTOKEN_PATH)")
         ranks = load_tiktoken_bpe(bpe_path, expected_hash=GPT2_BPE_SHA256)
-    except DataError:
-        raise
     except Exception as e:  # offline (requests' errors) or a hash mismatch (ValueError)
         where = bpe_path or "tiktoken's download"
-        raise DataError(f"could not load the GPT-2 BPE from {where} ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0][:200]}); set data.bpe_path=/path/to/gpt2.tiktoken "
-                        f"or GPT2_TIKTOKEN_PATH") from None
+        raise ValueError(f"could not load the GPT-2 BPE from {where} ({type(e).__name__}: {e}); "
+                         f"set data.bpe_path=/path/to/gpt2.tiktoken or GPT2_TIKTOKEN_PATH") from None
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 

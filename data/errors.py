@@ -1,0 +1,32 @@
+"""The one guard of every command line (train.py, generate.py, python -m data.prepare,
+python -m model.convert, the attention study).
+
+Library code raises built-in exceptions whose messages name the option the user typed. A run
+the user's input or machine stopped ends with `error: <one line>` and exit code 1, never a
+traceback; HYDRA_FULL_ERROR=1 shows the traceback instead, for debugging. Anything else (a
+TypeError, a KeyError, torch's RuntimeErrors: bugs) is not caught, so it is never dressed up
+as the user's mistake. It lives here, at the bottom of the import graph, because it imports
+nothing: every entry point can use it.
+"""
+
+import os
+import sys
+
+# What user input can cause: a bad value (ValueError, UnicodeDecodeError included), a missing
+# file, a full disk or an unreachable host (OSError), a run that diverged (FloatingPointError).
+USER_ERRORS = (ValueError, OSError, FloatingPointError)
+
+
+def one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def run_guarded(fn, *args, **kwargs):
+    """fn(*args, **kwargs); a user error ends the process with one line and exit code 1."""
+    try:
+        return fn(*args, **kwargs)
+    except USER_ERRORS as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        sys.exit(f"error: {one_line(e)}")
