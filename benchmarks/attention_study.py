@@ -10,18 +10,47 @@ study.md and three PNG plots into the study's run dir (Hydra's output dir).
 """
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from generate import timed_stream
-from model import GPT, GPTConfig
+from data.errors import run_guarded
+from model import GPT
+from model.checkpoint import load_model
 from model.convert import convert_checkpoint
-from train import exit_on_user_error, hydra_run_dir, load_checkpoint, load_weights, pick_device, train
+from model.device import pick_device
+from model.generation import timed_stream
+from model.plots import pyplot, save_figure
+from train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class StudyConfig:
+    """The `study` node of configs/study.yaml."""
+
+    variants: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa"])  # attention options
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 64])
+    uptrain_iters: int = 300  # > 0: also convert the trained MHA model to uptrain_to and uptrain it
+    uptrain_to: str = "gqa"
+    uptrain_lr: float = 1e-3
+
+    def __post_init__(self):
+        options = {p.stem for p in (CONFIGS / "attention").glob("*.yaml")}
+        if unknown := [v for v in [*self.variants, self.uptrain_to] if v not in options]:
+            raise ValueError(f"study.variants/uptrain_to: {', '.join(unknown)} is not an option of the "
+                             f"attention group")
+        if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1 or self.uptrain_iters < 0:
+            raise ValueError("study.decode_batch_sizes must be >= 1 and study.uptrain_iters >= 0")
+
+
+ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)
 
 
 def variant_config(cfg: DictConfig, variant: str) -> DictConfig:
@@ -51,17 +80,14 @@ def decode_tokens_per_s(model: GPT, batch_size: int, device) -> float:
     block = model.config.block_size
     prompt = torch.randint(0, model.config.vocab_size, (batch_size, max(1, block // 2)), device=device)
     n = block - prompt.size(1)
-    timed_stream(model, prompt, n, True, device)  # warm-up
-    _, decode_s = timed_stream(model, prompt, n, True, device)
+    timed_stream(model, prompt, n)  # warm-up
+    _, decode_s = timed_stream(model, prompt, n)
     return batch_size * (n - 1) / decode_s
 
 
 def measure(run_dir: Path, device, batch_sizes) -> dict:
-    ckpt = load_checkpoint(run_dir / "best.pt")
-    config = GPTConfig(**ckpt["model_config"])
-    model = GPT(config)
-    load_weights(model, ckpt["model"])
-    model = model.to(device).eval()
+    model, _ = load_model(run_dir / "best.pt", device)
+    config = model.config
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
@@ -91,28 +117,20 @@ def write_table(rows: dict, path: Path, batch_sizes) -> str:
 
 
 def plot(rows: dict, out_dir: Path, batch_sizes) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in rows.items():
         ax.plot(*zip(*r["val_curve"]), marker="o", label=name)
     ax.set(xlabel="step", ylabel="val loss", title="Validation loss")
     ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "val_loss.png", dpi=100)
+    save_figure(fig, out_dir / "val_loss.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in rows.items():
         ax.scatter(r["kv_bytes_per_token"], r["best_val"], s=60)
         ax.annotate(name, (r["kv_bytes_per_token"], r["best_val"]), xytext=(5, 5), textcoords="offset points")
     ax.set(xlabel="KV cache bytes per token", ylabel="best val loss", title="Loss vs KV cache size")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out_dir / "val_vs_kv_bytes.png", dpi=100)
+    save_figure(fig, out_dir / "val_vs_kv_bytes.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.8 / len(rows)
@@ -123,16 +141,14 @@ def plot(rows: dict, out_dir: Path, batch_sizes) -> None:
                   [f"batch {b}" for b in batch_sizes])
     ax.set(ylabel="decode tokens/s (KV cache)", title="Decode speed by batch size")
     ax.legend()
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out_dir / "decode_by_batch.png", dpi=100)
-    plt.close("all")
+    save_figure(fig, out_dir / "decode_by_batch.png", grid_axis="y")
 
 
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     """Train every variant into out_dir/<variant>, measure them, write study.md and the plots."""
     out_dir = Path(out_dir)
-    device = pick_device(cfg.train.device)
+    OmegaConf.to_object(cfg.study)  # checks the study's options before anything trains
+    device = pick_device(cfg.train.device, "train.device")
     batch_sizes = list(cfg.study.decode_batch_sizes)
     rows = {}
     for variant in cfg.study.variants:
@@ -154,7 +170,7 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
 
 @hydra.main(config_path="../configs", config_name="study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    exit_on_user_error(run_study, cfg, hydra_run_dir())
+    run_guarded(run_study, cfg, HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from generate import compile_decode_step
 from model import GPT
+from model.generation import compile_decode_step, stream
 from model.quantize import quantize_int8
 
 
@@ -62,7 +62,7 @@ def main() -> None:
 
     def compiled(model):
         step = compile_decode_step(model)
-        return lambda: list(model.stream(prompt, n, temperature=0, decode_step=step))
+        return lambda: list(stream(model, prompt, n, temperature=0, decode_step=step))
 
     rows = {
         "HF generate, use_cache=True (fp32)": tokens_per_s(lambda: hf.generate(
