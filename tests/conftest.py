@@ -1,13 +1,27 @@
+"""Fixtures: the reference data files, prepared data, a tiny training run and its checkpoint.
+Builders live in tests/helpers.py."""
+
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers import FOREIGN_ENV, ROOT, compose, data_config
+
 torch.set_num_threads(1)  # the suite runs on 2 cores; subprocess tests use the other one
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_env():
+    """Tests in this process see none of the user's HF_*, WANDB_* and HYDRA_* variables (autouse
+    and session-wide, so it is in force before any other fixture runs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [k for k in os.environ if k.startswith(FOREIGN_ENV)]:
+            mp.delenv(name)
+        yield
 
 
 def shared_file(env_var: str, name: str) -> Path:
@@ -30,17 +44,8 @@ def bpe_path() -> Path:
     return shared_file("GPT2_TIKTOKEN_PATH", "gpt2.tiktoken")
 
 
-def compose(*overrides: str, config_name: str = "train"):
-    """The real Hydra config, as train.py would see it (experiment given, so no auto-pick)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose(config_name, overrides=list(overrides), return_hydra_config=False)
-
-
 @pytest.fixture(scope="session")
-def data_cache(tmp_path_factory, shakespeare_path, bpe_path) -> Path:
+def data_cache(tmp_path_factory) -> Path:
     """One prepared-data cache for the whole session; tests pass it as data.cache_dir."""
     return tmp_path_factory.mktemp("data_cache")
 
@@ -49,15 +54,15 @@ def data_cache(tmp_path_factory, shakespeare_path, bpe_path) -> Path:
 def char_data(data_cache, shakespeare_path) -> Path:
     from data.prepare import prepare
 
-    return prepare(compose(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}").data)
+    return prepare(data_config(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}"))
 
 
 @pytest.fixture(scope="session")
 def bpe_data(data_cache, shakespeare_path, bpe_path) -> Path:
     from data.prepare import prepare
 
-    return prepare(compose("data=shakespeare_bpe", f"data.path={shakespeare_path}",
-                           f"data.bpe_path={bpe_path}", f"data.cache_dir={data_cache}").data)
+    return prepare(data_config("data=shakespeare_bpe", f"data.path={shakespeare_path}",
+                               f"data.bpe_path={bpe_path}", f"data.cache_dir={data_cache}"))
 
 
 @pytest.fixture(scope="session")
@@ -71,16 +76,11 @@ def tiny_run(data_cache, shakespeare_path, char_data) -> list[str]:
     ]
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    import json
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
+    """The run dir of a 30-step training run of the tiny model."""
+    from train import train
 
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def run_script(script: str, *args: str, timeout: int = 300, **kwargs):
-    """`python <script> args...` from the repo root, output captured."""
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
+    run_dir = tmp_path_factory.mktemp("tiny_ckpt")
+    train(compose(*tiny_run, "train.max_iters=30", "train.eval_interval=15"), run_dir)
+    return run_dir

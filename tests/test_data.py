@@ -1,6 +1,4 @@
-import os
-import subprocess
-import sys
+import dataclasses
 
 import numpy as np
 import pytest
@@ -8,8 +6,8 @@ import torch
 
 from data.batches import Batches
 from data.prepare import load_prepared, prepare
-from data.tokenizer import BPETokenizer, CharTokenizer, DataError, tokenizer_from_meta
-from tests.conftest import ROOT, compose
+from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_meta
+from tests.helpers import assert_one_line_error, data_config, run_cli
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -46,13 +44,13 @@ def test_round_trip_whole_corpus(kind, shakespeare_path, bpe_path, char_data, bp
 
 def test_char_oov_error_names_the_characters():
     tok = CharTokenizer.from_text("abc ")
-    with pytest.raises(DataError, match=r"'z', 'é'"):
+    with pytest.raises(ValueError, match=r"'z', 'é'"):
         tok.encode("a zé")
 
 
 def test_reprepare_identical_inputs_does_no_work(char_data, data_cache, shakespeare_path):
     before = {p.name: p.stat().st_mtime_ns for p in char_data.iterdir()}
-    again = prepare(compose(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}").data)
+    again = prepare(data_config(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}"))
     assert again == char_data
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == before
 
@@ -60,13 +58,12 @@ def test_reprepare_identical_inputs_does_no_work(char_data, data_cache, shakespe
 def test_changed_input_or_tokenizer_reprepares(tmp_path, bpe_path):
     corpus = tmp_path / "a.txt"
     corpus.write_text("hello there, hello again\n" * 40)
-    cfg = compose("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}",
-                  f"data.bpe_path={bpe_path}")
-    first = prepare(cfg.data)
+    cfg = data_config("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}",
+                      f"data.bpe_path={bpe_path}")
+    first = prepare(cfg)
     corpus.write_text("something else entirely\n" * 40)
-    second = prepare(cfg.data)
-    cfg.data.tokenizer = "bpe"
-    third = prepare(cfg.data)
+    second = prepare(cfg)
+    third = prepare(dataclasses.replace(cfg, tokenizer="bpe"))
     assert len({first, second, third}) == 3
     assert load_prepared(third)[0]["tokenizer"] == "bpe"
 
@@ -74,10 +71,10 @@ def test_changed_input_or_tokenizer_reprepares(tmp_path, bpe_path):
 def test_text_files_glob_and_list(tmp_path):
     for name, text in [("b.txt", "second\n"), ("a.txt", "first\n")]:
         (tmp_path / name).write_text(text * 50)
-    globbed = prepare(compose("data=text_files", f"data.path={tmp_path}/*.txt",
-                              f"data.cache_dir={tmp_path / 'c'}").data)
-    listed = prepare(compose("data=text_files", f"data.path=[{tmp_path}/a.txt,{tmp_path}/b.txt]",
-                             f"data.cache_dir={tmp_path / 'c'}").data)
+    globbed = prepare(data_config("data=text_files", f"data.path={tmp_path}/*.txt",
+                                  f"data.cache_dir={tmp_path / 'c'}"))
+    listed = prepare(data_config("data=text_files", f"data.path=[{tmp_path}/a.txt,{tmp_path}/b.txt]",
+                                 f"data.cache_dir={tmp_path / 'c'}"))
     assert globbed == listed
     meta, train, val = load_prepared(globbed)
     assert meta["train_tokens"] + meta["val_tokens"] == 50 * len("first\nsecond\n")
@@ -88,32 +85,28 @@ def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
     bad.write_text("not shakespeare\n" * 10)
     cache = tmp_path / "cache"
     # a local copy with the wrong hash
-    with pytest.raises(DataError, match="sha256"):
-        prepare(compose(f"data.path={bad}", f"data.cache_dir={cache}").data)
+    with pytest.raises(ValueError, match="sha256"):
+        prepare(data_config(f"data.path={bad}", f"data.cache_dir={cache}"))
     # a "download" (file:// URL) with the wrong hash
-    with pytest.raises(DataError, match="sha256"):
-        prepare(compose("data.path=null", f"data.url=file://{bad}", f"data.cache_dir={cache}").data)
+    with pytest.raises(ValueError, match="sha256"):
+        prepare(data_config("data.path=null", f"data.url=file://{bad}", f"data.cache_dir={cache}"))
     assert not cache.exists() or not any(cache.rglob("*.*"))
 
 
 def run_prepare(*overrides, env=None):
-    return subprocess.run([sys.executable, "-m", "data.prepare", *overrides], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return run_cli("-m", "data.prepare", *overrides, env=env)
 
 
 def test_offline_without_local_copy_is_one_line_error(tmp_path):
     result = run_prepare("data.path=null", f"data.cache_dir={tmp_path}",
                          env={"HF_DATASETS_OFFLINE": "1"})
-    assert result.returncode == 1
-    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
-    assert "data.path=" in result.stderr
+    assert_one_line_error(result, "data.path=")
 
 
 def test_unreachable_url_is_one_line_error(tmp_path):
     result = run_prepare("data.path=null", "data.url=http://127.0.0.1:9/input.txt",
                          f"data.cache_dir={tmp_path}")
-    assert result.returncode == 1 and result.stderr.startswith("error: could not download")
-    assert result.stderr.strip().count("\n") == 0
+    assert_one_line_error(result, "error: could not download")
 
 
 def test_prepare_command_line(char_data, data_cache, shakespeare_path):
@@ -125,8 +118,19 @@ def test_prepare_command_line(char_data, data_cache, shakespeare_path):
 def test_bad_bpe_file_is_an_error(tmp_path):
     fake = tmp_path / "gpt2.tiktoken"
     fake.write_text("aGVsbG8= 0\n")
-    with pytest.raises(DataError, match="GPT2_TIKTOKEN_PATH"):
+    with pytest.raises(ValueError, match="GPT2_TIKTOKEN_PATH"):
         BPETokenizer(str(fake))
+    with pytest.raises(FileNotFoundError, match="GPT2_TIKTOKEN_PATH"):
+        BPETokenizer(str(tmp_path / "missing.tiktoken"))
+
+
+def test_text_files_without_a_path_names_data_path(tmp_path):
+    result = run_prepare("data=text_files", f"data.cache_dir={tmp_path}")
+    assert_one_line_error(result, "data.path is not set")
+
+
+def test_missing_corpus_file_names_data_path(tmp_path):
+    assert_one_line_error(run_prepare(f"data.path={tmp_path}/nope.txt"), "data.path: no such file")
 
 
 def test_batches(char_data):
@@ -144,3 +148,5 @@ def test_batches(char_data):
     a.load_state_dict(state)
     assert all(torch.equal(u, v) for u, v in zip(a.next(), expected))  # restored RNG state
     assert not torch.equal(Batches(train, 16, 4, seed=8).next()[0], x)
+    with pytest.raises(ValueError, match="model.block_size=64"):
+        Batches(train[:10], block_size=64, batch_size=1)

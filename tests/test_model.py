@@ -1,59 +1,15 @@
+import re
+
 import pytest
 import torch
-import torch.nn.functional as F
 
-from model import GPT, GPTConfig, attend
-
-VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head for n_head = 4
-
-
-def tiny(**overrides) -> GPTConfig:
-    kw = dict(vocab_size=37, block_size=24, n_layer=2, n_head=4, n_embd=16)
-    return GPTConfig(**(kw | overrides))
-
-
-@pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
-@pytest.mark.parametrize("is_causal", [True, False])
-@pytest.mark.parametrize("T,S", [(7, 7), (3, 7), (1, 7)])
-def test_naive_and_sdpa_agree(n_kv_head, is_causal, T, S):
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 4, T, 8, generator=g)
-    k, v = torch.randn(2, 2, n_kv_head, S, 8, generator=g).unbind(0)
-    naive, weights = attend(q, k, v, is_causal=is_causal, backend="naive", return_weights=True)
-    sdpa = attend(q, k, v, is_causal=is_causal, backend="sdpa")
-    torch.testing.assert_close(naive, sdpa, atol=1e-5, rtol=0)
-    assert weights.shape == (2, 4, T, S)
-    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, T))
-
-
-def test_causal_mask_is_bottom_right_aligned():
-    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
-    _, weights = attend(q, k, v, backend="naive", return_weights=True)
-    # The 2 queries are positions 3 and 4 of 5: the first sees keys 0..3, the second all.
-    assert (weights[0, 0, 0, 4] == 0) and (weights[0, 0, 0, :4] > 0).all()
-    assert (weights[0, 0, 1] > 0).all()
-
-
-@pytest.mark.parametrize("backend", ["naive", "sdpa"])
-@pytest.mark.parametrize("n_kv_head", [2, 1])
-def test_grouped_attention_equals_mha_on_repeated_kv(backend, n_kv_head):
-    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, n_kv_head, 5, 8), torch.randn(2, n_kv_head, 5, 8)
-    n_rep = 4 // n_kv_head
-    grouped = attend(q, k, v, backend=backend)
-    repeated = attend(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), backend=backend)
-    torch.testing.assert_close(grouped, repeated, atol=1e-6, rtol=0)
-
-
-def test_attend_equals_textbook_formula():
-    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
-    scores = q @ k.transpose(-2, -1) / 8**0.5
-    scores = scores.masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
-    torch.testing.assert_close(attend(q, k, v), F.softmax(scores, -1) @ v)
+from model import GPT
+from tests.helpers import ROOT, VARIANTS, tiny_config
 
 
 def test_gqa_with_n_kv_head_equal_n_head_is_mha():
-    mha = GPT(tiny())  # n_kv_head defaults to n_head
-    gqa = GPT(tiny(n_kv_head=4))
+    mha = GPT(tiny_config())  # n_kv_head defaults to n_head
+    gqa = GPT(tiny_config(n_kv_head=4))
     assert gqa.num_params() == mha.num_params()
     gqa.load_state_dict(mha.state_dict())
     idx = torch.randint(0, 37, (2, 10))
@@ -61,7 +17,7 @@ def test_gqa_with_n_kv_head_equal_n_head_is_mha():
 
 
 def test_fewer_kv_heads_mean_fewer_parameters():
-    counts = [GPT(tiny(n_kv_head=n)).num_params() for n in (4, 2, 1)]
+    counts = [GPT(tiny_config(n_kv_head=n)).num_params() for n in (4, 2, 1)]
     assert counts[0] > counts[1] > counts[2]
     # Each K/V head less saves a (n_embd x hd) weight and an hd bias in K and in V, per layer.
     assert counts[0] - counts[1] == 2 * 2 * 2 * (16 * 4 + 4)
@@ -70,7 +26,7 @@ def test_fewer_kv_heads_mean_fewer_parameters():
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("backend", ["sdpa", "naive"])
 def test_causality(pos_emb, backend):
-    model = GPT(tiny(pos_emb=pos_emb, attn_backend=backend, n_kv_head=2)).eval()
+    model = GPT(tiny_config(pos_emb=pos_emb, attn_backend=backend, n_kv_head=2)).eval()
     idx = torch.randint(0, 37, (1, 12))
     changed = idx.clone()
     changed[0, 6] = (idx[0, 6] + 1) % 37
@@ -83,7 +39,7 @@ def test_causality(pos_emb, backend):
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("backend", ["sdpa", "naive"])
 def test_cache_prefill_then_decode_equals_full_forward(n_kv_head, pos_emb, backend):
-    config = tiny(n_kv_head=n_kv_head, pos_emb=pos_emb, attn_backend=backend, qk_norm=True)
+    config = tiny_config(n_kv_head=n_kv_head, pos_emb=pos_emb, attn_backend=backend, qk_norm=True)
     model = GPT(config).eval()
     idx = torch.randint(0, 37, (3, 20))
     full = model(idx)
@@ -96,7 +52,7 @@ def test_cache_prefill_then_decode_equals_full_forward(n_kv_head, pos_emb, backe
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 def test_left_padded_rows_equal_unpadded(pos_emb):
-    model = GPT(tiny(pos_emb=pos_emb, n_kv_head=2)).eval()
+    model = GPT(tiny_config(pos_emb=pos_emb, n_kv_head=2)).eval()
     short, long = torch.randint(0, 37, (1, 5)), torch.randint(0, 37, (1, 9))
     batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
     pad = torch.tensor([4, 0])
@@ -108,7 +64,7 @@ def test_left_padded_rows_equal_unpadded(pos_emb):
 
 @pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
 def test_cache_bytes_follow_the_formula(n_kv_head):
-    config = tiny(n_kv_head=n_kv_head)
+    config = tiny_config(n_kv_head=n_kv_head)
     cache = GPT(config).new_kv_cache(batch_size=3, max_len=10)
     hd = config.n_embd // config.n_head
     assert cache.nbytes == 2 * config.n_layer * n_kv_head * hd * 10 * 3 * 4
@@ -116,12 +72,29 @@ def test_cache_bytes_follow_the_formula(n_kv_head):
 
 
 def test_cache_ratio_is_n_head_to_n_kv_head_to_one():
-    sizes = [GPT(tiny(n_kv_head=n)).new_kv_cache(1).nbytes for n in (4, 2, 1)]
+    sizes = [GPT(tiny_config(n_kv_head=n)).new_kv_cache(1).nbytes for n in (4, 2, 1)]
     assert sizes[0] // sizes[2] == 4 and sizes[1] // sizes[2] == 2
 
 
+def test_only_the_cache_moves_its_length():
+    cache = GPT(tiny_config()).new_kv_cache(2, max_len=5)
+    cache.advance(3)
+    cache.advance(2)
+    assert cache.length == 5
+    with pytest.raises(ValueError, match="cache size 5"):
+        cache.advance(1)
+    cache.reset()
+    assert cache.length == 0
+    # Nothing outside model/kv_cache.py assigns a cache's length.
+    sources = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and p.name != "kv_cache.py"
+               and "tests" not in p.parts]
+    writers = [f"{p}:{i}" for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
+               if re.search(r"\.length\s*(\+|-)?=[^=]", line)]
+    assert writers == []
+
+
 def test_cache_overflow_is_an_error():
-    model = GPT(tiny())
+    model = GPT(tiny_config())
     cache = model.new_kv_cache(1, max_len=4)
     with pytest.raises(ValueError, match="cache size 4"):
         model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
@@ -143,7 +116,7 @@ def test_cache_overflow_is_an_error():
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}\b"):
-        tiny(**overrides)
+        tiny_config(**overrides)
 
 
 @pytest.mark.parametrize("arch", [
@@ -152,7 +125,7 @@ def test_invalid_config_names_the_field(overrides, field):
 ])
 def test_tiny_model_overfits_one_batch(arch):
     torch.manual_seed(0)
-    model = GPT(tiny(n_kv_head=2, **arch))
+    model = GPT(tiny_config(n_kv_head=2, **arch))
     idx = torch.randint(0, 37, (4, 17))
     x, y = idx[:, :-1], idx[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -1,5 +1,5 @@
 from benchmarks.attention_study import run_study
-from tests.conftest import compose
+from tests.helpers import compose
 
 
 def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):

@@ -1,0 +1,70 @@
+"""Builders the tests share: the one tiny model config, the attention variants, the real Hydra
+config, one way to run a command line, and the metrics of a run dir."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from model import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
+# The user's environment must not change what a test sees (an offline flag, a wandb key, ...).
+FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_")
+
+
+def tiny_config(**overrides) -> GPTConfig:
+    """A few-thousand-parameter GPT: vocab 37, block 24, 2 layers, 4 heads, 16 wide."""
+    return GPTConfig(**{"vocab_size": 37, "block_size": 24, "n_layer": 2, "n_head": 4, "n_embd": 16}
+                     | overrides)
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    """tiny_config(**overrides) as a GPT in eval mode, its weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides)).eval()
+
+
+def compose(*overrides: str, config_name: str = "train"):
+    """The real Hydra config, as the command line would build it (its schemas registered)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import benchmarks.attention_study  # noqa: F401  (registers the study's schema; imports train)
+    import generate  # noqa: F401  (registers GenerateConfig)
+
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose(config_name, overrides=list(overrides))
+
+
+def data_config(*overrides: str):
+    """The `data` group's DataConfig, composed as train.py would."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(compose(*overrides).data)
+
+
+def clean_env(**extra: str) -> dict:
+    """This process's environment without the variables in FOREIGN_ENV, plus `extra`."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN_ENV)} | extra
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python <args>` from the repo root (a script, or -m module), output captured."""
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=clean_env(**(env or {})))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
+    """The command failed with exit code 1 and exactly `error: ...message...`, no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-2000:]

@@ -1,0 +1,53 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import attend
+from tests.helpers import VARIANTS
+
+
+@pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("T,S", [(7, 7), (3, 7), (1, 7)])
+def test_naive_and_sdpa_agree(n_kv_head, is_causal, T, S):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 8, generator=g)
+    k, v = torch.randn(2, 2, n_kv_head, S, 8, generator=g).unbind(0)
+    naive, weights = attend(q, k, v, is_causal=is_causal, backend="naive", return_weights=True)
+    sdpa = attend(q, k, v, is_causal=is_causal, backend="sdpa")
+    torch.testing.assert_close(naive, sdpa, atol=1e-5, rtol=0)
+    assert weights.shape == (2, 4, T, S)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2, 4, T))
+
+
+def test_causal_mask_is_bottom_right_aligned():
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
+    _, weights = attend(q, k, v, backend="naive", return_weights=True)
+    # The 2 queries are positions 3 and 4 of 5: the first sees keys 0..3, the second all.
+    assert (weights[0, 0, 0, 4] == 0) and (weights[0, 0, 0, :4] > 0).all()
+    assert (weights[0, 0, 1] > 0).all()
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("n_kv_head", [2, 1])
+def test_grouped_attention_equals_mha_on_repeated_kv(backend, n_kv_head):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, n_kv_head, 5, 8), torch.randn(2, n_kv_head, 5, 8)
+    n_rep = 4 // n_kv_head
+    grouped = attend(q, k, v, backend=backend)
+    repeated = attend(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), backend=backend)
+    torch.testing.assert_close(grouped, repeated, atol=1e-6, rtol=0)
+
+
+def test_attend_equals_textbook_formula():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    scores = q @ k.transpose(-2, -1) / 8**0.5
+    scores = scores.masked_fill(torch.ones(4, 4).triu(1).bool(), float("-inf"))
+    torch.testing.assert_close(attend(q, k, v), F.softmax(scores, -1) @ v)
+
+
+def test_bad_shapes_and_backends_name_the_problem():
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
+    with pytest.raises(ValueError, match="n_kv_head"):
+        attend(q, k, k)
+    with pytest.raises(ValueError, match="backend"):
+        attend(q, q, q, backend="flash")

@@ -1,0 +1,128 @@
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from model import GPT, checkpoint
+from model.checkpoint import Checkpoint, load_model
+from model.quantize import Int8Linear
+from tests.helpers import tiny_config, tiny_model
+
+
+def write(path, model: GPT, **fields) -> None:
+    checkpoint.save(path, Checkpoint(model=model.state_dict(), model_config=model.config,
+                                     data_meta={"tokenizer": "char", "vocab": None}, **fields))
+
+
+def test_the_file_holds_exactly_the_checkpoint_fields(tmp_path):
+    model = tiny_model()
+    write(tmp_path / "c.pt", model, step=7, best_val=1.5)
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert set(raw) == {f.name for f in dataclasses.fields(Checkpoint)}
+    assert raw["model_config"] == dataclasses.asdict(model.config)
+    ckpt = checkpoint.load(tmp_path / "c.pt")
+    assert ckpt.model_config == model.config and (ckpt.step, ckpt.best_val) == (7, 1.5)
+    assert all(torch.equal(ckpt.model[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpoints_load_with_weights_only(tmp_path):
+    bad = tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": argparse.Namespace(code="arbitrary object")}, bad)
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        checkpoint.load(bad)
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        checkpoint.load(tmp_path / "corrupt.pt")
+    torch.save({"weights": {}}, tmp_path / "foreign.pt")  # a torch file, but not ours
+    with pytest.raises(ValueError, match="cannot read checkpoint"):
+        checkpoint.load(tmp_path / "foreign.pt")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        checkpoint.load(tmp_path / "missing.pt")
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        checkpoint.load(tmp_path / "empty_run")
+
+
+def test_a_run_dir_gives_the_preferred_file(tmp_path):
+    write(tmp_path / "ckpt.pt", tiny_model(), step=2)
+    assert checkpoint.load(tmp_path, prefer="best.pt").step == 2  # best.pt absent: ckpt.pt
+    write(tmp_path / "best.pt", tiny_model(), step=1)
+    assert checkpoint.load(tmp_path).step == 2
+    assert checkpoint.load(tmp_path, prefer="best.pt").step == 1
+
+
+def test_failed_save_leaves_the_old_file_and_no_temp_file(tmp_path):
+    write(tmp_path / "ckpt.pt", tiny_model(), step=1)
+    (tmp_path / "folder.pt").mkdir()
+    with pytest.raises(OSError):
+        write(tmp_path / "folder.pt", tiny_model())  # cannot replace a folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "folder.pt"]
+    assert checkpoint.load(tmp_path / "ckpt.pt").step == 1
+
+
+def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
+    config = tiny_config()
+    compiled = torch.compile(GPT(config), backend="eager")
+    # a state dict as a compiled module writes it, with the _orig_mod. prefix
+    checkpoint.save(tmp_path / "c.pt", Checkpoint(model=compiled.state_dict(), model_config=config,
+                                                  data_meta={}))
+    plain = GPT(config)
+    checkpoint.load_weights(plain, checkpoint.load(tmp_path / "c.pt").model, "c.pt")
+    idx = torch.randint(0, 37, (1, 8))
+    assert torch.equal(plain(idx), compiled(idx))
+    again = torch.compile(GPT(config), backend="eager")
+    checkpoint.load_weights(again, plain.state_dict(), "plain")
+    assert torch.equal(again(idx), plain(idx))
+
+
+def test_mismatched_weights_name_the_tensor(tmp_path):
+    model = tiny_model()
+    write(tmp_path / "c.pt", model)
+    ckpt = torch.load(tmp_path / "c.pt", weights_only=True)
+    ckpt["model_config"]["n_kv_head"] = 2  # the K/V projections no longer fit the config
+    torch.save(ckpt, tmp_path / "mismatched.pt")
+    with pytest.raises(ValueError, match=r"weights do not match .*qkv\.bias: shape \(48,\) in the"):
+        load_model(tmp_path / "mismatched.pt", "cpu")
+
+
+def test_load_model_in_each_dtype_and_int8(tmp_path):
+    model = tiny_model()
+    write(tmp_path / "best.pt", model)
+    idx = torch.randint(0, 37, (2, 9))
+    fp32, ckpt = load_model(tmp_path, "cpu")
+    assert not fp32.training and torch.equal(fp32(idx), model(idx)) and ckpt.data_meta["tokenizer"] == "char"
+    bf16, _ = load_model(tmp_path, "cpu", dtype="bfloat16")
+    assert bf16.wte.weight.dtype == torch.bfloat16
+    int8, _ = load_model(tmp_path, "cpu", quantize="int8")
+    assert isinstance(int8.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+        load_model(tmp_path, "cpu", dtype="float16")
+    with pytest.raises(ValueError, match="quantize must be null or int8"):
+        load_model(tmp_path, "cpu", quantize="int4")
+
+
+def test_init_from_one_of_our_checkpoints(tmp_path):
+    model = tiny_model(n_kv_head=2)
+    write(tmp_path / "best.pt", model)
+    config, weights = checkpoint.init_from(tmp_path)
+    assert config == model.config and weights.keys() == model.state_dict().keys()
+
+
+def test_only_a_training_checkpoint_with_the_same_model_resumes(tmp_path):
+    model = tiny_model()
+    write(tmp_path / "converted.pt", model)  # no optimizer: as model.convert writes it
+    ckpt = checkpoint.load(tmp_path / "converted.pt")
+    with pytest.raises(ValueError, match="holds no training state"):
+        checkpoint.check_resumable(ckpt, model.config, "train.resume=x")
+    other = dataclasses.replace(model.config, n_layer=3)
+    with pytest.raises(ValueError, match=r"model\.n_layer=2 but this run asks for 3"):
+        checkpoint.check_resumable(ckpt, other, "train.resume=x")
+
+
+def test_rng_state_round_trips():
+    checkpoint.seed_rngs(3)
+    state = checkpoint.rng_state()
+    first = torch.rand(3)
+    checkpoint.restore_rng(state)
+    assert torch.equal(torch.rand(3), first)

@@ -1,0 +1,112 @@
+"""configs/: every group mirrors its dataclass schema, every recipe composes, and bad values fail
+at config time with a message that names the field."""
+
+import dataclasses
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from benchmarks.attention_study import StudyConfig
+from data.prepare import DataConfig
+from generate import GenerateConfig
+from model import GPTConfig
+from tests.helpers import ROOT, assert_one_line_error, compose, run_cli
+from train import TrainConfig, model_config
+
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+SCHEMAS = [  # (a YAML file, the node in it, the dataclass it mirrors)
+    ("model/base.yaml", None, GPTConfig),
+    ("train/default.yaml", None, TrainConfig),
+    ("data/shakespeare_char.yaml", None, DataConfig),
+    ("generate.yaml", None, GenerateConfig),
+    ("study.yaml", "study", StudyConfig),
+]
+
+
+@pytest.mark.parametrize("path,node,schema", SCHEMAS, ids=[s[0] for s in SCHEMAS])
+def test_yaml_mirrors_its_schema(path, node, schema):
+    """Same field names; the same defaults wherever the YAML gives a plain value."""
+    values = yaml.safe_load((ROOT / "configs" / path).read_text())
+    values = values[node] if node else {k: v for k, v in values.items() if k not in ("defaults", "hydra")}
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    assert values.keys() == fields.keys()
+    for name, value in values.items():
+        if isinstance(value, str) and value.startswith("${") or name == "vocab_size":
+            continue  # taken from the environment, another key or the data
+        field = fields[name]
+        factory = field.default_factory
+        default = factory() if factory is not dataclasses.MISSING else field.default
+        assert value == default, name
+
+
+def test_model_presets_only_set_gpt_config_fields():
+    fields = {f.name for f in dataclasses.fields(GPTConfig)}
+    for preset in (ROOT / "configs/model").glob("*.yaml"):
+        assert set(yaml.safe_load(preset.read_text())) - {"defaults"} <= fields, preset
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
+def test_every_experiment_composes(experiment, attention):
+    cfg = compose(f"experiment={experiment}", f"attention={attention}")
+    config = model_config(cfg.model, vocab_size=65)
+    assert {"mha": config.n_head, "gqa": 2, "mqa": 1}[attention] == config.n_kv_head
+    assert isinstance(OmegaConf.to_object(cfg.train), TrainConfig)
+    assert isinstance(OmegaConf.to_object(cfg.data), DataConfig)
+
+
+def test_nanogpt_recipes():
+    gpu = compose("experiment=shakespeare_char")
+    assert (gpu.model.n_layer, gpu.model.n_head, gpu.model.n_embd, gpu.model.block_size) == (6, 6, 384, 256)
+    assert (gpu.train.batch_size, gpu.train.max_iters) == (64, 5000)
+    assert (gpu.model.dropout, gpu.train.beta2, gpu.train.lr, gpu.train.min_lr) == (0.2, 0.99, 1e-3, 1e-4)
+    cpu = compose("experiment=shakespeare_char_cpu")
+    assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.n_embd, cpu.model.block_size) == (4, 4, 128, 64)
+    assert (cpu.train.batch_size, cpu.train.max_iters, cpu.model.dropout) == (12, 2000, 0.0)
+
+
+@pytest.mark.parametrize("override,field", [
+    ("train.grad_accum=0", "train.grad_accum"), ("train.eval_interval=0", "train.eval_interval"),
+    ("train.eval_iters=0", "train.eval_iters"), ("train.batch_size=0", "train.batch_size"),
+    ("train.max_iters=-5", "train.max_iters"), ("train.min_lr=-1", "train.min_lr"),
+    ("train.lr=0", "train.lr"), ("train.beta2=1.0", "train.beta2"), ("train.dtype=float16", "train.dtype"),
+    ("train.compile=maybe", "train.compile"), ("data.val_fraction=1.5", "data.val_fraction"),
+    ("data.tokenizer=words", "data.tokenizer"),
+])
+def test_out_of_range_values_name_the_field(override, field):
+    cfg = compose("experiment=shakespeare_char_cpu", override)
+    group = field.split(".")[0]
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        OmegaConf.to_object(cfg[group])
+
+
+@pytest.mark.parametrize("override,field", [
+    ("top_k=0", "top_k"), ("top_p=1.5", "top_p"), ("temperature=-1", "temperature"),
+    ("max_new_tokens=-1", "max_new_tokens"), ("num_samples=0", "num_samples"), ("dtype=float16", "dtype"),
+    ("quantize=int4", "quantize"), ("ckpt=null", "ckpt"), ("prompt=''", "prompt"),
+])
+def test_out_of_range_generate_options_name_the_option(override, field):
+    with pytest.raises(ValueError, match=field):
+        OmegaConf.to_object(compose("ckpt=run", override, config_name="generate"))
+
+
+@pytest.mark.parametrize("args", [("train.py", "experiment=shakespeare_char_cpu", "train.lr=fast"),
+                                  ("train.py", "experiment=shakespeare_char_cpu", "train.batch_size=1.5"),
+                                  ("generate.py", "ckpt=run", "max_new_tokens=abc")])
+def test_hydra_rejects_the_wrong_type_before_anything_runs(args):
+    result = run_cli(*args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"Error merging override {args[-1]}" in result.stderr
+
+
+def test_override_typo_fails_with_hydras_message():
+    result = run_cli("train.py", "experiment=shakespeare_char_cpu", "model.n_layr=3")
+    assert result.returncode != 0
+    assert "Key 'n_layr' is not in struct" in result.stderr or "n_layr" in result.stderr
+
+
+def test_range_error_on_the_command_line_is_one_line(tmp_path):
+    result = run_cli("train.py", "experiment=shakespeare_char_cpu", "train.grad_accum=0",
+                     f"hydra.run.dir={tmp_path}")
+    assert_one_line_error(result, "train.grad_accum must be >= 1, got 0")

@@ -1,0 +1,63 @@
+"""data/errors.py: the one guard every command line uses."""
+
+import pytest
+
+from data.errors import run_guarded
+from tests.helpers import assert_one_line_error, run_cli
+
+# One bad input for each entry point, and the words its one-line error must hold.
+ENTRY_POINTS = {
+    "train.py": (["train.py", "experiment=shakespeare_char_cpu", "train.eval_iters=0"],
+                 "train.eval_iters must be >= 1"),
+    "generate.py": (["generate.py", "ckpt=/nonexistent/run"], "checkpoint not found: /nonexistent/run"),
+    "data.prepare": (["-m", "data.prepare", "data.path=/nonexistent.txt"], "data.path: no such file"),
+    "model.convert": (["-m", "model.convert", "/nonexistent/run", "--n-kv-head", "2", "--out", "x.pt"],
+                      "checkpoint not found"),
+    "attention_study": (["benchmarks/attention_study.py", "study.variants=[mha,mla2]"],
+                        "mla2 is not an option of the attention group"),
+}
+
+
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_reports_one_line(name, tmp_path):
+    args, message = ENTRY_POINTS[name]
+    if not name.startswith(("data.", "model.")):
+        args = [*args, f"hydra.run.dir={tmp_path}"]
+    assert_one_line_error(run_cli(*args), message)
+
+
+def test_hydra_full_error_shows_the_traceback(tmp_path):
+    result = run_cli("generate.py", "ckpt=/nonexistent/run", env={"HYDRA_FULL_ERROR": "1"})
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr and "FileNotFoundError: checkpoint not found" in result.stderr
+
+
+@pytest.mark.parametrize("error", [ValueError("bad value\nsecond line"), FileNotFoundError("no file"),
+                                   FloatingPointError("loss is nan")])
+def test_user_errors_become_one_line_and_exit_1(error):
+    def fail():
+        raise error
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_guarded(fail)
+    assert exit_info.value.code == f"error: {str(error).splitlines()[0]}"
+
+
+@pytest.mark.parametrize("bug", [TypeError("unsupported operand"), KeyError("model"),
+                                 RuntimeError("shape mismatch"), AttributeError("no attribute")])
+def test_bugs_are_not_dressed_up_as_user_errors(bug):
+    def fail():
+        raise bug
+
+    with pytest.raises(type(bug)):
+        run_guarded(fail)
+
+
+def test_the_result_passes_through():
+    assert run_guarded(lambda a, b=0: a + b, 2, b=3) == 5
+
+
+def test_hydra_full_error_reraises_in_process(monkeypatch):
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ValueError, match="bad"):
+        run_guarded(lambda: int("bad"))
