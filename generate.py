@@ -16,9 +16,8 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from data.errors import run_guarded
+from data.errors import config_object, run_guarded
 from data.tokenizer import tokenizer_from_meta
 from model.checkpoint import check_quantize, load_model
 from model.device import check_dtype
@@ -84,7 +83,7 @@ def sample(cfg, out=None) -> list[str]:
     """Generate as cfg (a GenerateConfig or its Hydra config) says; prints the samples to `out`
     (stdout by default; a single sample streams) and returns their texts."""
     if not isinstance(cfg, GenerateConfig):
-        cfg = OmegaConf.to_object(cfg)
+        cfg = config_object(cfg)
     out = out or sys.stdout
     model, ckpt = load_model(cfg.ckpt, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device

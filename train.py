@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data.batches import Batches
-from data.errors import run_guarded
+from data.errors import config_object, run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
@@ -97,8 +97,9 @@ def say(msg: str) -> None:
 
 def model_config(cfg_model, vocab_size: int) -> GPTConfig:
     fields = OmegaConf.to_container(cfg_model, resolve=True)
-    fields["vocab_size"] = fields.get("vocab_size") or vocab_size
-    return GPTConfig(**fields)
+    if extra := sorted(fields.keys() - {f.name for f in dataclasses.fields(GPTConfig)}):
+        raise ValueError(f"model.{extra[0]} is not a field of GPTConfig: check the spelling")
+    return GPTConfig(**fields | {"vocab_size": fields.get("vocab_size") or vocab_size})
 
 
 def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> GPT:
@@ -205,6 +206,8 @@ class RunLog:
     def __init__(self, run_dir: Path, wandb_cfg, resolved_cfg: dict, master: bool, step: int, max_iters: int):
         self.path, self.master, self.max_iters = run_dir / "metrics.jsonl", master, max_iters
         self.wandb = None
+        if wandb_cfg.mode not in ("disabled", "offline", "online"):
+            raise ValueError(f"wandb.mode={wandb_cfg.mode!r} is not one of disabled, offline, online")
         if master and wandb_cfg.mode != "disabled":
             import wandb  # seconds to import, and not on every machine: only when asked for
             self.wandb = wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, name=wandb_cfg.name,
@@ -262,7 +265,7 @@ def stop_requests():
 
 def train(cfg: DictConfig, run_dir) -> dict:
     """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir."""
-    tcfg, dcfg = OmegaConf.to_object(cfg.train), OmegaConf.to_object(cfg.data)
+    tcfg, dcfg = config_object(cfg.train, "train."), config_object(cfg.data, "data.")
     rank, world_size, device = init_distributed(tcfg.device)
     try:
         return fit(cfg, tcfg, dcfg, Path(run_dir), rank, world_size, device)

@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import run_guarded
+from data.errors import config_object, run_guarded
 from model import GPT
 from model.checkpoint import load_model
 from model.convert import convert_checkpoint
@@ -147,7 +147,7 @@ def plot(rows: dict, out_dir: Path, batch_sizes) -> None:
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     """Train every variant into out_dir/<variant>, measure them, write study.md and the plots."""
     out_dir = Path(out_dir)
-    OmegaConf.to_object(cfg.study)  # checks the study's options before anything trains
+    config_object(cfg.study, "study.")  # checks the study's options before anything trains
     device = pick_device(cfg.train.device, "train.device")
     batch_sizes = list(cfg.study.decode_batch_sizes)
     rows = {}

@@ -1,16 +1,19 @@
 """The one guard of every command line (train.py, generate.py, python -m data.prepare,
-python -m model.convert, the attention study).
+python -m model.convert, the attention study), and the typed view of a config node.
 
 Library code raises built-in exceptions whose messages name the option the user typed. A run
 the user's input or machine stopped ends with `error: <one line>` and exit code 1, never a
 traceback; HYDRA_FULL_ERROR=1 shows the traceback instead, for debugging. Anything else (a
 TypeError, a KeyError, torch's RuntimeErrors: bugs) is not caught, so it is never dressed up
 as the user's mistake. It lives here, at the bottom of the import graph, because it imports
-nothing: every entry point can use it.
+nothing of the project: every entry point can use it.
 """
 
+import dataclasses
 import os
 import sys
+
+from omegaconf import OmegaConf
 
 # What user input can cause: a bad value (ValueError, UnicodeDecodeError included), a missing
 # file, a full disk or an unreachable host (OSError), a run that diverged (FloatingPointError).
@@ -30,3 +33,13 @@ def run_guarded(fn, *args, **kwargs):
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(f"error: {one_line(e)}")
+
+
+def config_object(node, prefix: str = ""):
+    """The dataclass instance of a config node that has a schema (its __post_init__ checks the
+    ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped."""
+    schema = OmegaConf.get_type(node)
+    if extra := sorted(set(node.keys()) - {f.name for f in dataclasses.fields(schema)}):
+        raise ValueError(f"{prefix}{extra[0]} is not a field of {schema.__name__}: check the spelling "
+                         f"(its fields are {', '.join(f.name for f in dataclasses.fields(schema))})")
+    return OmegaConf.to_object(node)

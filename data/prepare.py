@@ -22,9 +22,8 @@ from urllib.parse import urlparse
 import hydra
 import numpy as np
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from data.errors import run_guarded
+from data.errors import config_object, run_guarded
 from data.tokenizer import BPETokenizer, CharTokenizer
 
 FORMAT_VERSION = 1
@@ -176,7 +175,7 @@ def load_prepared(prepared_dir: Path):
 
 def report(cfg) -> None:
     """`python -m data.prepare`: prepare cfg.data and say what is where."""
-    out_dir = prepare(OmegaConf.to_object(cfg.data))
+    out_dir = prepare(config_object(cfg.data, "data."))
     meta = load_prepared(out_dir)[0]
     print(f"{out_dir}: {meta['tokenizer']} vocab {meta['vocab_size']}, "
           f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")

@@ -8,6 +8,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from benchmarks.attention_study import StudyConfig
+from data.errors import config_object
 from data.prepare import DataConfig
 from generate import GenerateConfig
 from model import GPTConfig
@@ -110,3 +111,20 @@ def test_range_error_on_the_command_line_is_one_line(tmp_path):
     result = run_cli("train.py", "experiment=shakespeare_char_cpu", "train.grad_accum=0",
                      f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "train.grad_accum must be >= 1, got 0")
+
+
+@pytest.mark.parametrize("overrides,config_name,group,message", [
+    (["+train.foo=1"], "train", "train", "train.foo is not a field of TrainConfig"),
+    (["+data.pth=x"], "train", "data", "data.pth is not a field of DataConfig"),
+    (["ckpt=run", "+tmperature=1"], "generate", None, "tmperature is not a field of GenerateConfig"),
+])
+def test_keys_appended_with_plus_must_be_schema_fields(overrides, config_name, group, message):
+    """Hydra's own error for a typo suggests `+key=...`; that must not be silently dropped."""
+    cfg = compose(*overrides, config_name=config_name)
+    with pytest.raises(ValueError, match=message):
+        config_object(cfg[group] if group else cfg, f"{group}." if group else "")
+
+
+def test_unknown_model_field_names_itself():
+    with pytest.raises(ValueError, match="model.n_layr is not a field of GPTConfig"):
+        model_config(compose("+model.n_layr=2").model, vocab_size=65)

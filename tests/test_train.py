@@ -62,6 +62,11 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
     assert kept.step == 6 and all(torch.equal(good[k], kept.model[k]) for k in good)
 
 
+def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
+    with pytest.raises(ValueError, match="wandb.mode='bogus' is not one of disabled, offline, online"):
+        train(compose(*tiny_run, "wandb.mode=bogus"), tmp_path)
+
+
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
     result = run_cli("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "error: GPTConfig.n_kv_head=3")
