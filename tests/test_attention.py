@@ -1,3 +1,6 @@
+"""model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
+equal MHA on repeated K/V, the textbook formula)."""
+
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,3 +1,6 @@
+"""model/checkpoint.py: the file holds exactly the Checkpoint fields, weights_only loading, atomic
+saves, the compiled-model prefix, load_model in each dtype, init_from, resume checks, RNG state."""
+
 import argparse
 import dataclasses
 

@@ -1,3 +1,5 @@
+"""model/convert.py: MHA -> GQA/MQA by mean-pooling K/V heads, the command line, uptraining."""
+
 import json
 
 import pytest

@@ -1,3 +1,5 @@
+"""data/: tokenizers, preparation (splits, hashes, idempotence, offline errors) and batches."""
+
 import dataclasses
 
 import numpy as np

@@ -1,3 +1,5 @@
+"""model/device.py: device names, precisions, the torchrun helpers in one process."""
+
 import pytest
 import torch
 

@@ -1,3 +1,6 @@
+"""model/generation.py: cached and uncached paths agree, sampling options, batched prompts,
+generation past block_size, the compiled decode step."""
+
 import pytest
 import torch
 

@@ -1,3 +1,6 @@
+"""Hugging Face parity: our GPT-2 loads transformers' weights and matches its logits and greedy
+tokens; finetuning from a Hugging Face directory."""
+
 import pytest
 import torch
 

@@ -1,3 +1,6 @@
+"""model/gpt.py and model/kv_cache.py: MHA/GQA/MQA as one class, causality, the cache (prefill +
+decode = full forward, exact bytes, its length), left padding, config errors, a tiny overfit."""
+
 import re
 
 import pytest

@@ -1,3 +1,5 @@
+"""model/quantize.py: weight-only int8 Linear layers stay close to fp32 and generate."""
+
 import torch
 
 from model.quantize import Int8Linear, quantize_int8

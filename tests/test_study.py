@@ -1,3 +1,5 @@
+"""benchmarks/attention_study.py: the whole study on a tiny preset."""
+
 from benchmarks.attention_study import run_study
 from tests.helpers import compose
 

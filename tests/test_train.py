@@ -1,3 +1,6 @@
+"""train.py: the run dir, the schedule, bit-identical resume, NaN and signal handling, wandb,
+DDP with gloo, sweeps."""
+
 import json
 import signal
 import subprocess
