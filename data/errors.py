@@ -5,8 +5,10 @@ Library code raises built-in exceptions whose messages name the option the user 
 the user's input or machine stopped ends with `error: <one line>` and exit code 1, never a
 traceback; HYDRA_FULL_ERROR=1 shows the traceback instead, for debugging. Anything else (a
 TypeError, a KeyError, torch's RuntimeErrors: bugs) is not caught, so it is never dressed up
-as the user's mistake. It lives here, at the bottom of the import graph, because it imports
-nothing of the project: every entry point can use it.
+as the user's mistake; neither is a ValueError raised inside torch, since every value the user
+gives is checked before it reaches torch (one that torch rejects is our bug). It lives here,
+at the bottom of the import graph, because it imports nothing of the project: every entry
+point can use it.
 """
 
 import dataclasses
@@ -25,12 +27,24 @@ def one_line(error: BaseException) -> str:
     return lines[0] if lines else type(error).__name__
 
 
+def raised_inside_torch(error: BaseException) -> bool:
+    """Whether the innermost Python frame of error's traceback is in torch's own code."""
+    torch = sys.modules.get("torch")
+    tb = error.__traceback__
+    if torch is None or tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep)
+
+
 def run_guarded(fn, *args, **kwargs):
     """fn(*args, **kwargs); a user error ends the process with one line and exit code 1."""
     try:
         return fn(*args, **kwargs)
     except USER_ERRORS as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        bug = isinstance(e, ValueError) and raised_inside_torch(e)
+        if bug or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(f"error: {one_line(e)}")
 

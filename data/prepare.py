@@ -168,8 +168,12 @@ def prepare(cfg: DataConfig) -> Path:
 
 def load_prepared(prepared_dir: Path):
     """meta, train and val token arrays (memory-mapped) of a prepared folder."""
-    meta = json.loads((Path(prepared_dir) / "meta.json").read_text())
-    train, val = (np.load(Path(prepared_dir) / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
+    prepared_dir = Path(prepared_dir)
+    try:
+        meta = json.loads((prepared_dir / "meta.json").read_text())
+        train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
+    except ValueError as e:  # json's or numpy's complaint about a damaged file
+        raise ValueError(f"{prepared_dir} is damaged ({e}): delete it and it is prepared again") from e
     return meta, train, val
 
 

@@ -27,9 +27,10 @@ class KVCache:
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
-        """Count n more positions as written."""
+        """Count n more positions as written. Callers check the room first (GPT.forward,
+        generation's refill), so running past the end is a bug, not a user error."""
         if self.length + n > self.max_len:
-            raise ValueError(f"{self.length + n} positions exceed the cache size {self.max_len}")
+            raise RuntimeError(f"{self.length + n} positions exceed the cache size {self.max_len}")
         self.length += n
 
     def reset(self) -> None:

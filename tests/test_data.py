@@ -82,6 +82,15 @@ def test_text_files_glob_and_list(tmp_path):
     assert meta["train_tokens"] + meta["val_tokens"] == 50 * len("first\nsecond\n")
 
 
+def test_a_damaged_prepared_folder_names_itself(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    prepared = prepare(data_config("data=text_files", f"data.path={tmp_path}/a.txt",
+                                   f"data.cache_dir={tmp_path / 'c'}"))
+    (prepared / "meta.json").write_text("{truncated")
+    with pytest.raises(ValueError, match=rf"{prepared} is damaged .*delete it"):
+        load_prepared(prepared)
+
+
 def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
     bad = tmp_path / "input.txt"
     bad.write_text("not shakespeare\n" * 10)

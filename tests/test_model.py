@@ -84,7 +84,7 @@ def test_only_the_cache_moves_its_length():
     cache.advance(3)
     cache.advance(2)
     assert cache.length == 5
-    with pytest.raises(ValueError, match="cache size 5"):
+    with pytest.raises(RuntimeError, match="cache size 5"):
         cache.advance(1)
     cache.reset()
     assert cache.length == 0
