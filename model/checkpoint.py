@@ -45,17 +45,19 @@ class Checkpoint:
     converted_from: dict | None = None           # set by model.convert
 
 
-def find(path, prefer: str = "ckpt.pt") -> Path:
+def find(path, prefer: str = "ckpt.pt", option: str | None = None) -> Path:
     """A checkpoint file, or the one in a run dir: `prefer` (ckpt.pt, the last, to resume;
-    best.pt to sample), else the other."""
+    best.pt to sample), else the other. `option` (ckpt, train.resume, ...) is the setting that
+    gave the path, named in the errors."""
     path = Path(path).expanduser()
+    said = f"{option}: " if option else ""
     if path.is_dir():
         for name in sorted(RUN_FILES, key=lambda n: n != prefer):
             if (path / name).is_file():
                 return path / name
-        raise FileNotFoundError(f"no checkpoint ({' or '.join(RUN_FILES)}) in {path}")
+        raise FileNotFoundError(f"{said}no checkpoint ({' or '.join(RUN_FILES)}) in {path}")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise FileNotFoundError(f"{said}checkpoint not found: {path}")
     return path
 
 
@@ -65,10 +67,14 @@ def save(path, ckpt: Checkpoint) -> Path:
     path = Path(path)
     state = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
     state["model_config"] = dataclasses.asdict(ckpt.model_config)
+    state["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would give
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -76,17 +82,37 @@ def save(path, ckpt: Checkpoint) -> Path:
     return path
 
 
-def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
-    """The checkpoint at `path` (a file or a run dir), its model config built and checked."""
-    path = find(path, prefer)
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def load(path, prefer: str = "ckpt.pt", option: str | None = None) -> Checkpoint:
+    """The checkpoint at `path` (a file or a run dir), its model config built and checked.
+    `option` (ckpt, train.resume, ...) is the setting that gave the path, named in the errors."""
+    path = find(path, prefer, option)
+    said = f"{option}: " if option else ""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        ckpt = Checkpoint(**state)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # not torch's, cut short, or unsafe
+        raise ValueError(f"{said}cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
+    keys = {f.name for f in dataclasses.fields(Checkpoint)}
+    required = {f.name for f in dataclasses.fields(Checkpoint)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    config_keys = {f.name for f in dataclasses.fields(GPTConfig)}
+    if (not isinstance(state, dict) or not required <= state.keys() <= keys
+            or not isinstance(state["model"], dict) or not isinstance(state["model_config"], dict)
+            or not state["model_config"].keys() <= config_keys):
+        found = sorted(state) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{said}{path} is not a kvgpt checkpoint (it holds {found})")
+    ckpt = Checkpoint(**state)
+    try:
         ckpt.model_config = GPTConfig(**ckpt.model_config)
-        # A compiled model's state dict names every weight `_orig_mod.<name>`.
-        ckpt.model = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
-    except (pickle.UnpicklingError, RuntimeError, EOFError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{said}{path} has an invalid model config: {e}") from e
+    # Checkpoints written before save() stripped it name every weight `_orig_mod.<name>`.
+    ckpt.model = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
     return ckpt
 
 
@@ -150,14 +176,15 @@ def load_weights(model, weights: dict, source) -> None:
     model.load_state_dict(weights)
 
 
-def load_model(path, device="auto", dtype: str = "float32", quantize: str | None = None):
+def load_model(path, device="auto", dtype: str = "float32", quantize: str | None = None,
+               option: str = "ckpt"):
     """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt), in eval mode, on
     `device`, in `dtype`, with int8 weights if quantize="int8"; the Checkpoint)."""
     torch_dtype = check_dtype(dtype)
     check_quantize(quantize)
-    ckpt = load(path, prefer="best.pt")
+    ckpt = load(path, prefer="best.pt", option=option)
     model = GPT(ckpt.model_config)
-    load_weights(model, ckpt.model, path)
+    load_weights(model, ckpt.model, f"{option}={path}")
     if quantize == "int8":
         quantize_int8(model)
     device = pick_device(device) if isinstance(device, str) else device
@@ -170,11 +197,11 @@ def check_quantize(quantize: str | None) -> None:
 
 
 def init_from(path) -> tuple[GPTConfig, dict]:
-    """The architecture and weights to start training from: a Hugging Face GPT-2 directory, or
-    one of our checkpoints (a run dir's best.pt, a converted one, ...)."""
+    """The architecture and weights to start training from (the `init_from` option): a Hugging
+    Face GPT-2 directory, or one of our checkpoints (a run dir's best.pt, a converted one, ...)."""
     path = Path(path).expanduser()
     if (path / "config.json").is_file():
         model = GPT.from_pretrained(path)
         return model.config, model.state_dict()
-    ckpt = load(path, prefer="best.pt")
+    ckpt = load(path, prefer="best.pt", option="init_from")
     return ckpt.model_config, ckpt.model

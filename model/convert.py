@@ -30,12 +30,12 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
 
     def pool(t):  # (old * hd, ...) -> (n_kv_head * hd, ...)
         grouped = t.reshape(n_kv_head, group, hd, *t.shape[1:])    # (n_kv_head, group, hd, ...)
-        return grouped.mean(dim=1).reshape(n_kv_head * hd, *t.shape[1:])
+        return grouped.mean(dim=1).reshape(n_kv_head * hd, *t.shape[1:])  # (n_kv_head * hd, ...)
 
     new_state = dict(state)
     for name, tensor in state.items():
         if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
-            q, k, v = tensor.split([C, old * hd, old * hd], dim=0)
+            q, k, v = tensor.split([C, old * hd, old * hd], dim=0)  # (C, ...), (old * hd, ...) x 2
             new_state[name] = torch.cat([q, pool(k), pool(v)], dim=0)
     return new_state, new_config
 
@@ -43,7 +43,7 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
     """Read our checkpoint `src` (a run dir's best.pt, or a file), write the converted one to
     `out`; returns the old and new model configs."""
-    ckpt = checkpoint.load(src, prefer="best.pt")
+    ckpt = checkpoint.load(src, prefer="best.pt", option="ckpt")
     weights, new_config = mean_pool_kv(ckpt.model, ckpt.model_config, n_kv_head)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,14 +37,42 @@ def test_checkpoints_load_with_weights_only(tmp_path):
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot read checkpoint"):
         checkpoint.load(tmp_path / "corrupt.pt")
-    torch.save({"weights": {}}, tmp_path / "foreign.pt")  # a torch file, but not ours
-    with pytest.raises(ValueError, match="cannot read checkpoint"):
-        checkpoint.load(tmp_path / "foreign.pt")
     with pytest.raises(FileNotFoundError, match="not found"):
         checkpoint.load(tmp_path / "missing.pt")
     (tmp_path / "empty_run").mkdir()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         checkpoint.load(tmp_path / "empty_run")
+
+
+@pytest.mark.parametrize("content", [{"weights": {}}, [1, 2],
+                                     {"model": [], "model_config": {}, "data_meta": {}},
+                                     {"model": {}, "model_config": {"n_layr": 2}, "data_meta": {}}],
+                         ids=["foreign keys", "not a dict", "model not a dict", "unknown config field"])
+def test_a_torch_file_that_is_not_ours_is_named_as_such(tmp_path, content):
+    torch.save(content, tmp_path / "foreign.pt")
+    with pytest.raises(ValueError, match=r"^ckpt: .*foreign\.pt is not a kvgpt checkpoint"):
+        checkpoint.load(tmp_path / "foreign.pt", option="ckpt")
+
+
+def test_errors_name_the_option_and_keep_their_cause(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^train\.resume: checkpoint not found"):
+        checkpoint.load(tmp_path / "missing.pt", option="train.resume")
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"^ckpt: cannot read checkpoint") as info:
+        load_model(tmp_path / "corrupt.pt", "cpu")
+    assert info.value.__cause__ is not None  # HYDRA_FULL_ERROR=1 shows what torch said
+    model = tiny_model()
+    state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config) | {"n_kv_head": 3},
+             "data_meta": {}}
+    torch.save(state, tmp_path / "bad_config.pt")
+    with pytest.raises(ValueError, match="has an invalid model config: GPTConfig.n_kv_head=3"):
+        checkpoint.load(tmp_path / "bad_config.pt")
+
+
+def test_saved_files_follow_the_umask_like_any_other_file(tmp_path):
+    write(tmp_path / "c.pt", tiny_model())
+    (tmp_path / "plain").write_text("")
+    assert (tmp_path / "c.pt").stat().st_mode == (tmp_path / "plain").stat().st_mode
 
 
 def test_a_run_dir_gives_the_preferred_file(tmp_path):
@@ -70,6 +98,9 @@ def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
     # a state dict as a compiled module writes it, with the _orig_mod. prefix
     checkpoint.save(tmp_path / "c.pt", Checkpoint(model=compiled.state_dict(), model_config=config,
                                                   data_meta={}))
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert not any(k.startswith("_orig_mod.") for k in raw["model"])  # save writes plain names
+    torch.save(raw | {"model": compiled.state_dict()}, tmp_path / "c.pt")  # a file with the prefix
     plain = GPT(config)
     checkpoint.load_weights(plain, checkpoint.load(tmp_path / "c.pt").model, "c.pt")
     idx = torch.randint(0, 37, (1, 8))

@@ -9,10 +9,10 @@ from tests.helpers import assert_one_line_error, run_cli
 ENTRY_POINTS = {
     "train.py": (["train.py", "experiment=shakespeare_char_cpu", "train.eval_iters=0"],
                  "train.eval_iters must be >= 1"),
-    "generate.py": (["generate.py", "ckpt=/nonexistent/run"], "checkpoint not found: /nonexistent/run"),
+    "generate.py": (["generate.py", "ckpt=/nonexistent/run"], "ckpt: checkpoint not found: /nonexistent/run"),
     "data.prepare": (["-m", "data.prepare", "data.path=/nonexistent.txt"], "data.path: no such file"),
     "model.convert": (["-m", "model.convert", "/nonexistent/run", "--n-kv-head", "2", "--out", "x.pt"],
-                      "checkpoint not found"),
+                      "ckpt: checkpoint not found: /nonexistent/run"),
     "attention_study": (["benchmarks/attention_study.py", "study.variants=[mha,mla2]"],
                         "mla2 is not an option of the attention group"),
 }
@@ -29,7 +29,7 @@ def test_every_entry_point_reports_one_line(name, tmp_path):
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     result = run_cli("generate.py", "ckpt=/nonexistent/run", env={"HYDRA_FULL_ERROR": "1"})
     assert result.returncode == 1
-    assert "Traceback" in result.stderr and "FileNotFoundError: checkpoint not found" in result.stderr
+    assert "Traceback" in result.stderr and "FileNotFoundError: ckpt: checkpoint not found" in result.stderr
 
 
 @pytest.mark.parametrize("error", [ValueError("bad value\nsecond line"), FileNotFoundError("no file"),
@@ -50,6 +50,18 @@ def test_bugs_are_not_dressed_up_as_user_errors(bug):
         raise bug
 
     with pytest.raises(type(bug)):
+        run_guarded(fail)
+
+
+def test_a_value_error_from_inside_torch_is_a_bug_not_a_user_error():
+    """We check every user value before torch sees it: torch rejecting one is our mistake."""
+    import torch
+    import torch.nn.functional as F
+
+    def fail():
+        F.cross_entropy(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))  # batch 3 vs 4
+
+    with pytest.raises(ValueError, match="batch_size"):
         run_guarded(fail)
 
 
