@@ -75,7 +75,7 @@ class TrainConfig:
                  "> 0": (lambda v: v > 0, "lr peak_tflops"),
                  "in [0, 1)": (lambda v: 0 <= v < 1, "beta1 beta2"),
                  "one of auto, float32, bfloat16": (lambda v: v in ("auto", "float32", "bfloat16"), "dtype"),
-                 "one of auto, true, false": (lambda v: v in ("auto", True, False), "compile")}
+                 "one of auto, true, false": (lambda v: v == "auto" or isinstance(v, bool), "compile")}
         for rule, (holds, names) in rules.items():
             for name in names.split():
                 if not holds(getattr(self, name)):
@@ -83,6 +83,7 @@ class TrainConfig:
 
 
 ConfigStore.instance().store(group="train", name="schema", node=TrainConfig)
+ConfigStore.instance().store(group="model", name="schema", node=GPTConfig)  # configs/model/base.yaml
 
 
 # ----------------------------------------------------------------------------- setup
@@ -96,10 +97,15 @@ def say(msg: str) -> None:
 # ----------------------------------------------------------------------------- model and optimizer
 
 def model_config(cfg_model, vocab_size: int) -> GPTConfig:
+    """The `model` group as a GPTConfig (the data's vocab_size unless model.vocab_size is set);
+    its errors name the option as the user typed it, model.<field>."""
     fields = OmegaConf.to_container(cfg_model, resolve=True)
     if extra := sorted(fields.keys() - {f.name for f in dataclasses.fields(GPTConfig)}):
         raise ValueError(f"model.{extra[0]} is not a field of GPTConfig: check the spelling")
-    return GPTConfig(**fields | {"vocab_size": fields.get("vocab_size") or vocab_size})
+    try:
+        return GPTConfig(**fields | {"vocab_size": fields.get("vocab_size") or vocab_size})
+    except ValueError as e:
+        raise ValueError(str(e).replace("GPTConfig.", "model.")) from e
 
 
 def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> GPT:
@@ -108,14 +114,15 @@ def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> 
     config, weights, source = model_config(cfg.model, vocab_size), None, None
     if cfg.init_from:
         source_config, weights = checkpoint.init_from(cfg.init_from)
-        config, source = dataclasses.replace(source_config, dropout=config.dropout), cfg.init_from
+        config = dataclasses.replace(source_config, dropout=config.dropout)
+        source = f"init_from={cfg.init_from}"
         say(f"init_from {cfg.init_from}: its architecture, dropout={config.dropout}")
     if config.vocab_size < vocab_size:
         raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the data's "
                          f"vocabulary ({vocab_size})")
     if resume is not None:
         checkpoint.check_resumable(resume, config, f"train.resume={cfg.train.resume}")
-        weights, source = resume.model, cfg.train.resume
+        weights, source = resume.model, f"train.resume={cfg.train.resume}"
     model = GPT(config)
     if weights is not None:
         checkpoint.load_weights(model, weights, source)
@@ -266,6 +273,7 @@ def stop_requests():
 def train(cfg: DictConfig, run_dir) -> dict:
     """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir."""
     tcfg, dcfg = config_object(cfg.train, "train."), config_object(cfg.data, "data.")
+    model_config(cfg.model, vocab_size=1)  # the model options' ranges, checked before any work
     rank, world_size, device = init_distributed(tcfg.device)
     try:
         return fit(cfg, tcfg, dcfg, Path(run_dir), rank, world_size, device)
@@ -281,7 +289,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_siz
     with main_process_first():  # rank 0 prepares the data, the other ranks then find it
         meta, train_tokens, val_tokens = load_prepared(prepare(dcfg))
 
-    resume = checkpoint.load(tcfg.resume) if tcfg.resume else None
+    resume = checkpoint.load(tcfg.resume, option="train.resume") if tcfg.resume else None
     raw_model = build_model(cfg, meta["vocab_size"], resume).to(device)
     config, n_params = raw_model.config, raw_model.num_params()
     optimizer = raw_model.configure_optimizer(tcfg.lr, (tcfg.beta1, tcfg.beta2), tcfg.weight_decay,

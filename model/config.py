@@ -12,7 +12,7 @@ OPTIONS = {
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 50257
+    vocab_size: int | None = 50257  # None only in configs/model/: train.py takes the data's
     block_size: int = 1024
     n_layer: int = 12
     n_head: int = 12

@@ -72,7 +72,8 @@ def test_nanogpt_recipes():
     ("train.eval_iters=0", "train.eval_iters"), ("train.batch_size=0", "train.batch_size"),
     ("train.max_iters=-5", "train.max_iters"), ("train.min_lr=-1", "train.min_lr"),
     ("train.lr=0", "train.lr"), ("train.beta2=1.0", "train.beta2"), ("train.dtype=float16", "train.dtype"),
-    ("train.compile=maybe", "train.compile"), ("data.val_fraction=1.5", "data.val_fraction"),
+    ("train.compile=maybe", "train.compile"), ("train.compile=1", "train.compile"),
+    ("data.val_fraction=1.5", "data.val_fraction"),
     ("data.tokenizer=words", "data.tokenizer"),
 ])
 def test_out_of_range_values_name_the_field(override, field):
@@ -94,6 +95,8 @@ def test_out_of_range_generate_options_name_the_option(override, field):
 
 @pytest.mark.parametrize("args", [("train.py", "experiment=shakespeare_char_cpu", "train.lr=fast"),
                                   ("train.py", "experiment=shakespeare_char_cpu", "train.batch_size=1.5"),
+                                  ("train.py", "experiment=shakespeare_char_cpu", "model.qk_norm=maybe"),
+                                  ("train.py", "experiment=shakespeare_char_cpu", "model.dropout=abc"),
                                   ("generate.py", "ckpt=run", "max_new_tokens=abc")])
 def test_hydra_rejects_the_wrong_type_before_anything_runs(args):
     result = run_cli(*args)
@@ -123,6 +126,25 @@ def test_keys_appended_with_plus_must_be_schema_fields(overrides, config_name, g
     cfg = compose(*overrides, config_name=config_name)
     with pytest.raises(ValueError, match=message):
         config_object(cfg[group] if group else cfg, f"{group}." if group else "")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.n_kv_head=3", "model.n_kv_head=3 must divide n_head"), ("model.dropout=1.5", "model.dropout"),
+    ("model.mlp=relu", "model.mlp='relu' is not one of"), ("model.n_layer=0", "model.n_layer"),
+])
+def test_model_range_errors_name_the_option_as_typed(override, message):
+    with pytest.raises(ValueError, match=rf"^{message}"):
+        model_config(compose("experiment=shakespeare_char_cpu", override).model, vocab_size=65)
+
+
+def test_study_options_name_themselves():
+    for kwargs, message in [({"uptrain_lr": 0.0}, "study.uptrain_lr"),
+                            ({"uptrain_iters": -1}, "study.uptrain_iters"),
+                            ({"variants": []}, "study.variants is empty"),
+                            ({"uptrain_to": "mla"}, "study.uptrain_to: mla"),
+                            ({"decode_batch_sizes": [0]}, "study.decode_batch_sizes")]:
+        with pytest.raises(ValueError, match=message):
+            StudyConfig(**kwargs)
 
 
 def test_unknown_model_field_names_itself():

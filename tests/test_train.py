@@ -72,7 +72,21 @@ def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
 
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
     result = run_cli("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
-    assert_one_line_error(result, "error: GPTConfig.n_kv_head=3")
+    assert_one_line_error(result, "error: model.n_kv_head=3 must divide n_head=4")
+
+
+def test_model_options_are_checked_before_the_data(tiny_run, tmp_path):
+    """A bad model option is reported even when the data would fail too: no data work first."""
+    with pytest.raises(ValueError, match=r"^model\.n_kv_head=3"):
+        train(compose(*tiny_run, "model.n_kv_head=3", "data.path=/nonexistent.txt"), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_missing_resume_checkpoint_names_the_option(tiny_run, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^train\.resume: checkpoint not found: /nonexistent"):
+        train(compose(*tiny_run, "train.resume=/nonexistent/ckpt.pt"), tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"^init_from: checkpoint not found: /nonexistent"):
+        train(compose(*tiny_run, "init_from=/nonexistent/run.pt"), tmp_path)
 
 
 @pytest.mark.slow
