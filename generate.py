@@ -79,11 +79,9 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
     return [p for p in prompts for _ in range(cfg.num_samples)]
 
 
-def sample(cfg, out=None) -> list[str]:
-    """Generate as cfg (a GenerateConfig or its Hydra config) says; prints the samples to `out`
-    (stdout by default; a single sample streams) and returns their texts."""
-    if not isinstance(cfg, GenerateConfig):
-        cfg = config_object(cfg)
+def sample(cfg: GenerateConfig, out=None) -> list[str]:
+    """Generate as cfg says; prints the samples to `out` (stdout by default; a single sample
+    streams) and returns their texts."""
     out = out or sys.stdout
     model, ckpt = load_model(cfg.ckpt, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device
@@ -158,7 +156,7 @@ def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None) ->
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")
 def main(cfg) -> None:
-    run_guarded(sample, cfg)
+    run_guarded(lambda: sample(config_object(cfg)))  # the schema's checks are guarded too
 
 
 if __name__ == "__main__":

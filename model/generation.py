@@ -5,7 +5,10 @@ compiled one-token decode step, and timing.
     for token in stream(model, idx, 100): ...               # (B,) new tokens, one step at a time
 
 `GPT.generate` is `generate` as a method. Both paths (`kv_cache=True/False`) draw random numbers
-in the same order, so with the same seed they produce the same tokens.
+in the same order, so while prompt + new tokens fit in block_size they produce the same tokens
+with the same seed. Past it they differ by design: the uncached reference crops the context to
+the last block_size tokens at every step, while the cache is refilled once from the last
+block_size // 2 and then grows again.
 """
 
 import torch
@@ -35,10 +38,10 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab) each
         probs = F.softmax(sorted_logits, dim=-1)
         # Drop a token when the tokens before it already reach top_p.
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
@@ -58,10 +61,10 @@ def left_pad(prompts, device):
     if not rows or min(len(r) for r in rows) == 0:
         raise ValueError("every prompt needs at least one token")
     T = max(len(r) for r in rows)
-    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    idx = torch.zeros(len(rows), T, dtype=torch.long)                   # (B, T)
     for b, r in enumerate(rows):
         idx[b, T - len(r):] = r
-    pad = torch.tensor([T - len(r) for r in rows], device=device)
+    pad = torch.tensor([T - len(r) for r in rows], device=device)      # (B,)
     return idx.to(device), pad if pad.any() else None
 
 
@@ -75,7 +78,10 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
-    return out if isinstance(idx, torch.Tensor) else [row[p:] for row, p in zip(out, pad.tolist())]
+    if isinstance(idx, torch.Tensor):
+        return out
+    pads = [0] * len(out) if pad is None else pad.tolist()  # None: the prompts had one length
+    return [row[p:] for row, p in zip(out, pads)]
 
 
 @torch.no_grad()
@@ -92,7 +98,7 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     block_size = model.config.block_size
     B, T = idx.shape
-    tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+    tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # (B, T + new)
     tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
     length = T
     cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens)) if kv_cache else None
@@ -141,7 +147,7 @@ def compile_decode_step(model):
                          fullgraph=True)
 
     def decode_step(token, cache, pad):
-        input_pos = torch.tensor([cache.length], device=token.device)
+        input_pos = torch.tensor([cache.length], device=token.device)   # (1,)
         logits = step(token, input_pos, cache, pad)                      # (B, 1, vocab)
         cache.advance(1)
         return logits[:, -1]

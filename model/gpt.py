@@ -165,8 +165,8 @@ class GPT(nn.Module):
             kv_cache.advance(T)
         if targets is None:
             return logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
-                               ignore_index=-1)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(),             # (B*T, vocab_size)
+                               targets.flatten(), ignore_index=-1)       # (B*T,)
         return logits, loss
 
     def logits_at(self, idx, input_pos, kv_cache=None, pad=None):

@@ -17,10 +17,10 @@ class Int8Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x):
-        shape = x.shape
+        shape = x.shape                                                   # (..., in)
         out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight,
                                         self.scales.to(x.dtype))      # (B*T, out)
-        out = out.view(*shape[:-1], self.out_features)
+        out = out.view(*shape[:-1], self.out_features)                    # (..., out)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
