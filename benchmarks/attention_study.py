@@ -42,12 +42,19 @@ class StudyConfig:
     uptrain_lr: float = 1e-3
 
     def __post_init__(self):
-        options = {p.stem for p in (CONFIGS / "attention").glob("*.yaml")}
-        if unknown := [v for v in [*self.variants, self.uptrain_to] if v not in options]:
-            raise ValueError(f"study.variants/uptrain_to: {', '.join(unknown)} is not an option of the "
-                             f"attention group")
-        if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1 or self.uptrain_iters < 0:
-            raise ValueError("study.decode_batch_sizes must be >= 1 and study.uptrain_iters >= 0")
+        options = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
+        for name, values in (("variants", self.variants), ("uptrain_to", [self.uptrain_to])):
+            if unknown := [v for v in values if v not in options]:
+                raise ValueError(f"study.{name}: {', '.join(unknown)} is not an option of the attention "
+                                 f"group ({', '.join(options)})")
+        if not self.variants:
+            raise ValueError("study.variants is empty: name at least one attention option")
+        if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1:
+            raise ValueError(f"study.decode_batch_sizes must be >= 1 each, got {self.decode_batch_sizes}")
+        if self.uptrain_iters < 0:
+            raise ValueError(f"study.uptrain_iters must be >= 0, got {self.uptrain_iters}")
+        if self.uptrain_lr <= 0:
+            raise ValueError(f"study.uptrain_lr must be > 0, got {self.uptrain_lr}")
 
 
 ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)

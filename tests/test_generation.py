@@ -62,6 +62,13 @@ def test_batched_mixed_lengths_equal_one_by_one(kv_cache, pos_emb):
         assert torch.equal(row, alone)
 
 
+def test_a_list_of_equal_length_prompts_gives_a_list():
+    model = tiny_model()
+    out = model.generate([[1, 2], [3, 4]], 3, temperature=0)
+    assert [row.tolist()[:2] for row in out] == [[1, 2], [3, 4]] and [len(row) for row in out] == [5, 5]
+    assert torch.equal(torch.stack(out), model.generate(torch.tensor([[1, 2], [3, 4]]), 3, temperature=0))
+
+
 def test_top_k_one_is_greedy():
     logits = torch.randn(5, 37)
     g = torch.Generator().manual_seed(0)
