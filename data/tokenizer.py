@@ -68,10 +68,10 @@ def gpt2_encoding(bpe_path: str | None = None) -> tiktoken.Encoding:
         if not bpe_path:
             return tiktoken.get_encoding("r50k_base")  # the same encoding as "gpt2"
         ranks = load_tiktoken_bpe(bpe_path, expected_hash=GPT2_BPE_SHA256)
-    except Exception as e:  # offline (requests' errors) or a hash mismatch (ValueError)
+    except (ValueError, OSError) as e:  # a hash mismatch, or offline (requests' errors are OSErrors)
         where = bpe_path or "tiktoken's download"
         raise ValueError(f"could not load the GPT-2 BPE from {where} ({type(e).__name__}: {e}); "
-                         f"set data.bpe_path=/path/to/gpt2.tiktoken or GPT2_TIKTOKEN_PATH") from None
+                         f"set data.bpe_path=/path/to/gpt2.tiktoken or GPT2_TIKTOKEN_PATH") from e
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
