@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data.batches import Batches
-from data.errors import config_object, run_guarded
+from data.errors import check_keys, config_object, run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
@@ -100,8 +100,7 @@ def model_config(cfg_model, vocab_size: int) -> GPTConfig:
     """The `model` group as a GPTConfig (the data's vocab_size unless model.vocab_size is set);
     its errors name the option as the user typed it, model.<field>."""
     fields = OmegaConf.to_container(cfg_model, resolve=True)
-    if extra := sorted(fields.keys() - {f.name for f in dataclasses.fields(GPTConfig)}):
-        raise ValueError(f"model.{extra[0]} is not a field of GPTConfig: check the spelling")
+    check_keys(fields, GPTConfig, "model.")
     try:
         return GPTConfig(**fields | {"vocab_size": fields.get("vocab_size") or vocab_size})
     except ValueError as e:
@@ -121,8 +120,9 @@ def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> 
         raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the data's "
                          f"vocabulary ({vocab_size})")
     if resume is not None:
-        checkpoint.check_resumable(resume, config, f"train.resume={cfg.train.resume}")
-        weights, source = resume.model, f"train.resume={cfg.train.resume}"
+        source = f"train.resume={cfg.train.resume}"
+        checkpoint.check_resumable(resume, config, source)
+        weights = resume.model
     model = GPT(config)
     if weights is not None:
         checkpoint.load_weights(model, weights, source)

@@ -53,7 +53,12 @@ def config_object(node, prefix: str = ""):
     """The dataclass instance of a config node that has a schema (its __post_init__ checks the
     ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped."""
     schema = OmegaConf.get_type(node)
-    if extra := sorted(set(node.keys()) - {f.name for f in dataclasses.fields(schema)}):
+    check_keys(node.keys(), schema, prefix)
+    return OmegaConf.to_object(node)
+
+
+def check_keys(keys, schema, prefix: str = "") -> None:
+    """Every key is a field of the dataclass `schema`; the message names the first that is not."""
+    if extra := sorted(set(keys) - {f.name for f in dataclasses.fields(schema)}):
         raise ValueError(f"{prefix}{extra[0]} is not a field of {schema.__name__}: check the spelling "
                          f"(its fields are {', '.join(f.name for f in dataclasses.fields(schema))})")
-    return OmegaConf.to_object(node)
