@@ -47,7 +47,6 @@ class GenerateConfig:
     benchmark: bool = False        # print prefill/decode tokens/s and the cache size instead
     attn_plot: str | None = None   # a .png path: the prompt's attention weights
     attn_layer: int = 0
-    bpe_path: str | None = None    # a local gpt2.tiktoken for BPE checkpoints
 
     def __post_init__(self):
         if not self.ckpt:
@@ -85,7 +84,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     out = out or sys.stdout
     model, ckpt = load_model(cfg.ckpt, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device
-    tokenizer = tokenizer_from_meta(ckpt.data_meta, cfg.bpe_path)
+    tokenizer = tokenizer_from_meta(ckpt.data_meta)
     prompts = read_prompts(cfg)
     encoded = [tokenizer.encode(p) for p in prompts]
     if cfg.attn_plot:

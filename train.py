@@ -245,8 +245,8 @@ class RunLog:
             self.wandb.finish()
 
 
-def print_sample(model: GPT, meta: dict, bpe_path, n_tokens: int, seed: int) -> None:
-    tokenizer = tokenizer_from_meta(meta, bpe_path)
+def print_sample(model: GPT, meta: dict, n_tokens: int, seed: int) -> None:
+    tokenizer = tokenizer_from_meta(meta)
     device = model.wte.weight.device
     prompt = torch.tensor([tokenizer.encode("\n")], device=device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -374,7 +374,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_siz
     if master:
         plot_losses(log.path, run_dir / "loss.png")
         if tcfg.sample_tokens > 0:
-            print_sample(raw_model, meta, dcfg.bpe_path, tcfg.sample_tokens, tcfg.seed)
+            print_sample(raw_model, meta, tcfg.sample_tokens, tcfg.seed)
         say(f"best val loss {run.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")
     return {"step": run.step, "best_val": run.best_val, "checkpoint": run_dir / "best.pt",
             "run_dir": run_dir}

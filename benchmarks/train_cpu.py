@@ -1,6 +1,6 @@
 """CPU training benchmark: nanoGPT's CPU recipe at the identical config, and our CPU main job.
 
-    python benchmarks/train_cpu.py        # ~3 minutes on 2 cores; needs TINYSHAKESPEARE_PATH offline
+    python benchmarks/train_cpu.py        # ~3 minutes on 2 cores
 
 Runs each recipe as a user would (`python train.py ...`, whole-process wall time) and prints
 ms/iteration, wall time and the first evaluation at val <= 1.88, next to nanoGPT's anchors measured

@@ -51,9 +51,13 @@ def run_guarded(fn, *args, **kwargs):
 
 def config_object(node, prefix: str = ""):
     """The dataclass instance of a config node that has a schema (its __post_init__ checks the
-    ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped."""
+    ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped,
+    and so is a required value (`???` in the YAML) left unset."""
     schema = OmegaConf.get_type(node)
     check_keys(node.keys(), schema, prefix)
+    if missing := sorted(key for key in node if OmegaConf.is_missing(node, key)):
+        raise ValueError(f"{prefix}{missing[0]} is required: set it on the command line, "
+                         f"e.g. {prefix}{missing[0]}=...")
     return OmegaConf.to_object(node)
 
 

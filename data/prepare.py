@@ -1,5 +1,6 @@
-"""Get a corpus (local copy or verified download), split it 90/10 by character, tokenize it with
-Hugging Face `datasets`, and write uint16/uint32 token arrays plus meta.json. Idempotent.
+"""Read a corpus (the shipped TinyShakespeare or your own UTF-8 text files), split it 90/10 by
+character, tokenize it with Hugging Face `datasets`, and write uint16/uint32 token arrays plus
+meta.json. Idempotent, and offline: nothing is downloaded.
 
     python -m data.prepare data=shakespeare_char     # or data=shakespeare_bpe, data=text_files ...
 
@@ -13,11 +14,9 @@ import json
 import os
 import shutil
 import tempfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import hydra
 import numpy as np
@@ -28,20 +27,21 @@ from data.tokenizer import BPETokenizer, CharTokenizer
 
 FORMAT_VERSION = 1
 TOKENIZERS = ("char", "bpe")
-TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# TinyShakespeare (char-rnn's input.txt, 1,115,394 bytes) ships with the package: the corpus of
+# data.name=shakespeare when data.path is not set.
+TINYSHAKESPEARE_PATH = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+BUILT_IN = {"shakespeare": (TINYSHAKESPEARE_PATH, TINYSHAKESPEARE_SHA256)}  # name: (file, sha256)
 
 
 @dataclass
 class DataConfig:
     """The `data` group: which corpus, how it is tokenized and split, where the result goes."""
 
-    name: str = "shakespeare"
+    name: str = "shakespeare"  # names the prepared folder; shakespeare is also a built-in corpus
     tokenizer: str = "char"
-    path: Any = None  # a file, a list of files or a glob; None: download `url`
-    url: str | None = TINYSHAKESPEARE_URL
+    path: Any = None  # a file, a list of files or a glob; None: the built-in corpus `name`
     sha256: str | None = TINYSHAKESPEARE_SHA256  # of the corpus: a file that does not match is never used
-    bpe_path: str | None = None  # a local gpt2.tiktoken; None: tiktoken downloads it
     cache_dir: str = "~/.cache/kvgpt"
     val_fraction: float = 0.1
     on_device: bool = True  # keep the token arrays on the training device
@@ -49,10 +49,15 @@ class DataConfig:
     def __post_init__(self):
         if self.path is not None:  # the command line may hand over a number
             self.path = [str(p) for p in self.path] if isinstance(self.path, list) else str(self.path)
+        if not self.path and (self.path is not None or self.name not in BUILT_IN):
+            raise ValueError(f"data.path is not set: give a text file, a list of files or a glob "
+                             f"(data.name={self.name} is not a built-in corpus: {', '.join(BUILT_IN)})")
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(f"data.tokenizer={self.tokenizer!r} is not one of {', '.join(TOKENIZERS)}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if not str(self.cache_dir).strip():
+            raise ValueError("data.cache_dir is empty: give a folder for the prepared data")
 
 
 ConfigStore.instance().store(group="data", name="schema", node=DataConfig)
@@ -62,67 +67,78 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def offline() -> bool:
-    return any(os.environ.get(v) == "1" for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
-
-
 def cache_dir(cfg: DataConfig) -> Path:
     return Path(os.path.expanduser(str(cfg.cache_dir)))
 
 
 def corpus_files(cfg: DataConfig) -> list[Path]:
-    """The corpus as local files: data.path (a file, a list, or a glob), else a verified download."""
-    if cfg.path:
-        patterns = [cfg.path] if isinstance(cfg.path, str | os.PathLike) else list(cfg.path)
-        files = []
-        for pattern in map(os.path.expanduser, map(str, patterns)):
-            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-            if not matches or not all(os.path.isfile(m) for m in matches):
-                raise FileNotFoundError(f"data.path: no such file: {pattern}")
-            files += map(Path, matches)
-        return files
-    if cfg.url:
-        return [download(cfg.url, cfg.sha256, cache_dir(cfg) / "downloads")]
-    raise ValueError("data.path is not set: give a text file, a list of files or a glob")
+    """The corpus as local files: data.path (a file, a list, or a glob), else the shipped copy."""
+    if cfg.path is None:
+        return [BUILT_IN[cfg.name][0]]
+    patterns = [cfg.path] if isinstance(cfg.path, str) else list(cfg.path)
+    files = []
+    for pattern in map(os.path.expanduser, patterns):
+        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
+        if not matches or not all(os.path.isfile(m) for m in matches):
+            raise FileNotFoundError(f"data.path: no such file: {pattern}")
+        files += map(Path, matches)
+    return files
 
 
-def download(url: str, sha256: str | None, dest_dir: Path) -> Path:
-    """Fetch url into dest_dir once; a copy whose sha256 does not match is never written."""
-    dest = dest_dir / Path(urlparse(url).path).name
-    if dest.is_file() and (sha256 is None or sha256_bytes(dest.read_bytes()) == sha256):
-        return dest
-    hint = f"set data.path=/path/to/{dest.name} to use a local copy"
-    if offline():
-        raise ConnectionError(f"offline (HF_DATASETS_OFFLINE=1) and no local copy of {url}: {hint}")
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            data = response.read()
-    except OSError as e:  # URLError, timeouts, refused connections
-        raise ConnectionError(f"could not download {url} ({getattr(e, 'reason', e)}): {hint}") from None
-    if sha256 is not None and sha256_bytes(data) != sha256:
-        raise ValueError(f"{url} has sha256 {sha256_bytes(data)}, expected {sha256}: not used; {hint}")
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=dest_dir, delete=False) as f:
-        f.write(data)
-    os.replace(f.name, dest)
-    return dest
+def read_corpus(files: list[Path], option: str = "data.path") -> bytes:
+    """The files' bytes, joined; each must be UTF-8 text. The errors name the file and, for a
+    binary or non-UTF-8 one, the byte offset where it stops being text."""
+    parts = []
+    for f in files:
+        try:
+            data = f.read_bytes()
+        except OSError as e:
+            raise OSError(f"{option}: cannot read {f}: {e.strerror}") from e
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{option}: {f} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+                             f"{e.start} (a binary file? convert text with iconv -t utf-8)") from None
+        if (nul := data.find(b"\0")) >= 0:
+            raise ValueError(f"{option}: {f} is binary, not text: a NUL byte at offset {nul}")
+        parts.append(data)
+    return b"".join(parts)
 
 
 def prepare(cfg: DataConfig) -> Path:
     """Prepare the corpus described by a `data` config; returns the folder of the token arrays.
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
-    raw = b"".join(f.read_bytes() for f in files)
-    source_sha256 = sha256_bytes(raw)
-    if cfg.sha256 and source_sha256 != cfg.sha256:
-        raise ValueError(f"{', '.join(map(str, files))} has sha256 {source_sha256}, expected "
-                        f"{cfg.sha256}: not used; point data.path at a good copy")
+    source_sha256 = sha256_bytes(read_corpus(files))
+    expected = BUILT_IN[cfg.name][1] if cfg.path is None else cfg.sha256
+    if expected and source_sha256 != expected:
+        fix = ("reinstall kvgpt" if cfg.path is None
+               else "point data.path at a good copy, or set data.sha256=null")
+        raise ValueError(f"data.sha256: {', '.join(map(str, files))} has sha256 {source_sha256}, expected "
+                         f"{expected}: not used; {fix}")
     key = sha256_bytes(json.dumps([FORMAT_VERSION, source_sha256, cfg.tokenizer,
                                    cfg.val_fraction]).encode())[:16]
     out_dir = cache_dir(cfg) / f"{cfg.name}-{cfg.tokenizer}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
+    try:
+        cache_dir(cfg).mkdir(parents=True, exist_ok=True)
+        tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
+    except OSError as e:
+        raise OSError(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror})") from e
+    try:
+        write_prepared(cfg, files, source_sha256, key, tmp_dir)
+        os.replace(tmp_dir, out_dir)
+    except OSError as e:
+        if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
+            raise OSError(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror})") from e
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
 
+
+def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: str, out_dir: Path):
+    """Tokenize and split the corpus into out_dir: train.npy, val.npy and meta.json."""
     from datasets import Dataset, load_dataset  # slow to import: only when there is work
 
     corpus = load_dataset("text", data_files={"corpus": [str(f) for f in files]},
@@ -130,8 +146,8 @@ def prepare(cfg: DataConfig) -> Path:
                           cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
     text = "".join(corpus["text"])
     if not text:
-        raise ValueError(f"the corpus is empty: {', '.join(map(str, files))}")
-    tokenizer = CharTokenizer.from_text(text) if cfg.tokenizer == "char" else BPETokenizer(cfg.bpe_path)
+        raise ValueError(f"data.path: the corpus is empty: {', '.join(map(str, files))}")
+    tokenizer = CharTokenizer.from_text(text) if cfg.tokenizer == "char" else BPETokenizer()
 
     cut = int(len(text) * (1 - cfg.val_fraction))  # first 90% of the characters train
     parts = Dataset.from_dict({"split": ["train", "val"], "text": [text[:cut], text[cut:]]})
@@ -139,13 +155,10 @@ def prepare(cfg: DataConfig) -> Path:
                       batched=True, remove_columns=["text"], keep_in_memory=True,
                       new_fingerprint=f"{key}-tokens")
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-
-    cache_dir(cfg).mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
     counts = {}
     for row in parts:
         ids = np.asarray(row["ids"], dtype=dtype)
-        np.save(tmp_dir / f"{row['split']}.npy", ids)
+        np.save(out_dir / f"{row['split']}.npy", ids)
         counts[f"{row['split']}_tokens"] = len(ids)
     meta = {
         "tokenizer": tokenizer.name,
@@ -158,12 +171,7 @@ def prepare(cfg: DataConfig) -> Path:
         "val_fraction": cfg.val_fraction,
         "version": FORMAT_VERSION,
     }
-    (tmp_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-    try:
-        os.replace(tmp_dir, out_dir)
-    except OSError:  # another process prepared the same inputs first
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    return out_dir
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def load_prepared(prepared_dir: Path):

@@ -1,12 +1,15 @@
-"""Tokenizers with one small interface: encode, decode, vocab_size, name."""
+"""Tokenizers with one small interface: encode, decode, vocab_size, name. GPT-2's BPE ranks ship
+with the package (data/assets/gpt2.tiktoken), so nothing is downloaded."""
 
-import os
+import base64
+import hashlib
+from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 
-# tiktoken's own hash for the GPT-2 (r50k_base) ranks file; it checks it on every load.
+# The shipped GPT-2 (r50k_base) ranks file and its sha256 (the hash tiktoken itself checks).
+GPT2_BPE_PATH = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 GPT2_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 
 
@@ -43,8 +46,8 @@ class BPETokenizer:
 
     name = "bpe"
 
-    def __init__(self, bpe_path: str | None = None):
-        self.encoding = gpt2_encoding(bpe_path)
+    def __init__(self):
+        self.encoding = gpt2_encoding()
         self.eot_token = self.encoding.eot_token
 
     @property
@@ -58,26 +61,24 @@ class BPETokenizer:
         return self.encoding.decode(list(ids))
 
 
-def gpt2_encoding(bpe_path: str | None = None) -> tiktoken.Encoding:
-    """GPT-2's encoding from a local gpt2.tiktoken (argument or $GPT2_TIKTOKEN_PATH), else through
-    tiktoken's own download and cache. Either way tiktoken verifies the file's sha256."""
-    bpe_path = bpe_path or os.environ.get("GPT2_TIKTOKEN_PATH")
-    if bpe_path and not os.path.isfile(bpe_path):
-        raise FileNotFoundError(f"GPT-2 BPE file not found: {bpe_path} (data.bpe_path / GPT2_TIKTOKEN_PATH)")
+def gpt2_encoding(bpe_path=GPT2_BPE_PATH) -> tiktoken.Encoding:
+    """GPT-2's encoding (the same as tiktoken's "gpt2" and "r50k_base") from the shipped ranks
+    file, sha256-checked. Read here rather than by tiktoken.load, whose file cache would follow
+    the user's $TIKTOKEN_CACHE_DIR; the format is tiktoken's: `<base64 token> <rank>` per line."""
     try:
-        if not bpe_path:
-            return tiktoken.get_encoding("r50k_base")  # the same encoding as "gpt2"
-        ranks = load_tiktoken_bpe(bpe_path, expected_hash=GPT2_BPE_SHA256)
-    except (ValueError, OSError) as e:  # a hash mismatch, or offline (requests' errors are OSErrors)
-        where = bpe_path or "tiktoken's download"
-        raise ValueError(f"could not load the GPT-2 BPE from {where} ({type(e).__name__}: {e}); "
-                         f"set data.bpe_path=/path/to/gpt2.tiktoken or GPT2_TIKTOKEN_PATH") from e
+        contents = Path(bpe_path).read_bytes()
+    except OSError as e:
+        raise OSError(f"cannot read GPT-2's BPE ranks {bpe_path} ({e.strerror}): reinstall kvgpt") from e
+    if (digest := hashlib.sha256(contents).hexdigest()) != GPT2_BPE_SHA256:
+        raise ValueError(f"{bpe_path} has sha256 {digest}, expected {GPT2_BPE_SHA256}: reinstall kvgpt")
+    ranks = {base64.b64decode(token): int(rank)
+             for token, rank in (line.split() for line in contents.splitlines() if line)}
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
                              special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
 
 
-def tokenizer_from_meta(meta: dict, bpe_path: str | None = None):
+def tokenizer_from_meta(meta: dict):
     """The tokenizer that prepared a dataset (or trained a checkpoint), from its meta."""
     if meta["tokenizer"] == "char":
         return CharTokenizer(meta["vocab"])
-    return BPETokenizer(bpe_path)
+    return BPETokenizer()

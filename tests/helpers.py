@@ -14,7 +14,7 @@ from model import GPT, GPTConfig
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
 # The user's environment must not change what a test sees (an offline flag, a wandb key, ...).
-FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_")
+FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_", "TIKTOKEN_", "KVGPT_")
 
 
 def tiny_config(**overrides) -> GPTConfig:
@@ -49,8 +49,8 @@ def data_config(*overrides: str):
 
 
 def clean_env(**extra: str) -> dict:
-    """This process's environment without the variables in FOREIGN_ENV, plus `extra`."""
-    return {k: v for k, v in os.environ.items() if not k.startswith(FOREIGN_ENV)} | extra
+    """This process's environment (which conftest's hermetic_env has cleaned), plus `extra`."""
+    return dict(os.environ) | extra
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -1,15 +1,18 @@
-"""data/: tokenizers, preparation (splits, hashes, idempotence, offline errors) and batches."""
+"""data/: the shipped files, tokenizers, preparation (splits, hashes, idempotence, bad corpora)
+and batches."""
 
 import dataclasses
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from data.batches import Batches
-from data.prepare import load_prepared, prepare
-from data.tokenizer import BPETokenizer, CharTokenizer, tokenizer_from_meta
-from tests.helpers import assert_one_line_error, data_config, run_cli
+from data.prepare import TINYSHAKESPEARE_PATH, load_prepared, prepare
+from data.tokenizer import BPETokenizer, CharTokenizer, gpt2_encoding, tokenizer_from_meta
+from tests.helpers import ROOT, assert_one_line_error, clean_env, data_config, run_cli
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -27,17 +30,17 @@ def test_bpe_split_matches_nanogpt(bpe_data):
     assert train.dtype == np.uint16
 
 
-def test_gpt2_bpe_facts(bpe_path):
-    tok = BPETokenizer(str(bpe_path))
+def test_gpt2_bpe_facts():
+    tok = BPETokenizer()
     assert tok.vocab_size == 50257 and tok.eot_token == 50256
     assert tok.encode("Hello world") == [15496, 995]  # GPT-2's well-known ids
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_round_trip_whole_corpus(kind, shakespeare_path, bpe_path, char_data, bpe_data):
-    text = shakespeare_path.read_text()
+def test_round_trip_whole_corpus(kind, char_data, bpe_data):
+    text = TINYSHAKESPEARE_PATH.read_text()
     meta, train, val = load_prepared(char_data if kind == "char" else bpe_data)
-    tok = tokenizer_from_meta(meta, str(bpe_path))
+    tok = tokenizer_from_meta(meta)
     assert tok.decode(tok.encode(text)) == text
     # The prepared arrays decode back to the two halves of the text, split at 90% of characters.
     cut = int(len(text) * 0.9)
@@ -50,18 +53,17 @@ def test_char_oov_error_names_the_characters():
         tok.encode("a zé")
 
 
-def test_reprepare_identical_inputs_does_no_work(char_data, data_cache, shakespeare_path):
+def test_reprepare_identical_inputs_does_no_work(char_data):
     before = {p.name: p.stat().st_mtime_ns for p in char_data.iterdir()}
-    again = prepare(data_config(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}"))
+    again = prepare(data_config(f"data.path={TINYSHAKESPEARE_PATH}"))  # the same bytes, named
     assert again == char_data
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == before
 
 
-def test_changed_input_or_tokenizer_reprepares(tmp_path, bpe_path):
+def test_changed_input_or_tokenizer_reprepares(tmp_path):
     corpus = tmp_path / "a.txt"
     corpus.write_text("hello there, hello again\n" * 40)
-    cfg = data_config("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}",
-                      f"data.bpe_path={bpe_path}")
+    cfg = data_config("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}")
     first = prepare(cfg)
     corpus.write_text("something else entirely\n" * 40)
     second = prepare(cfg)
@@ -95,12 +97,8 @@ def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
     bad = tmp_path / "input.txt"
     bad.write_text("not shakespeare\n" * 10)
     cache = tmp_path / "cache"
-    # a local copy with the wrong hash
-    with pytest.raises(ValueError, match="sha256"):
+    with pytest.raises(ValueError, match="data.sha256: .* has sha256"):  # not TinyShakespeare's hash
         prepare(data_config(f"data.path={bad}", f"data.cache_dir={cache}"))
-    # a "download" (file:// URL) with the wrong hash
-    with pytest.raises(ValueError, match="sha256"):
-        prepare(data_config("data.path=null", f"data.url=file://{bad}", f"data.cache_dir={cache}"))
     assert not cache.exists() or not any(cache.rglob("*.*"))
 
 
@@ -108,36 +106,51 @@ def run_prepare(*overrides, env=None):
     return run_cli("-m", "data.prepare", *overrides, env=env)
 
 
-def test_offline_without_local_copy_is_one_line_error(tmp_path):
-    result = run_prepare("data.path=null", f"data.cache_dir={tmp_path}",
-                         env={"HF_DATASETS_OFFLINE": "1"})
-    assert_one_line_error(result, "data.path=")
+def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path):
+    """A fresh machine: an empty home, no network, no settings: both built-in corpora prepare."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    env_without_cache = {k: v for k, v in clean_env(**env).items() if k != "KVGPT_CACHE"}
+    for data, tokens in [("shakespeare_char", "1,003,854 train"), ("shakespeare_bpe", "301,966 train")]:
+        result = subprocess.run([sys.executable, "-m", "data.prepare", f"data={data}"], cwd=ROOT,
+                                capture_output=True, text=True, env=env_without_cache)
+        assert result.returncode == 0 and tokens in result.stdout, result.stderr[-2000:]
+    assert (home / ".cache" / "kvgpt").is_dir()
 
 
-def test_unreachable_url_is_one_line_error(tmp_path):
-    result = run_prepare("data.path=null", "data.url=http://127.0.0.1:9/input.txt",
-                         f"data.cache_dir={tmp_path}")
-    assert_one_line_error(result, "error: could not download")
+def test_shipped_files_are_checked_by_hash(tmp_path):
+    damaged = tmp_path / "gpt2.tiktoken"
+    damaged.write_bytes(gpt2_encoding.__defaults__[0].read_bytes()[:-10])
+    with pytest.raises(ValueError, match="expected 306cd27f.*reinstall kvgpt"):
+        gpt2_encoding(damaged)
+    with pytest.raises(OSError, match="cannot read GPT-2's BPE ranks"):
+        gpt2_encoding(tmp_path / "missing.tiktoken")
 
 
-def test_prepare_command_line(char_data, data_cache, shakespeare_path):
-    result = run_prepare(f"data.path={shakespeare_path}", f"data.cache_dir={data_cache}")
+def test_prepare_command_line(char_data):
+    result = run_prepare()
     assert result.returncode == 0, result.stderr
     assert "1,003,854 train and 111,540 val tokens" in result.stdout
-
-
-def test_bad_bpe_file_is_an_error(tmp_path):
-    fake = tmp_path / "gpt2.tiktoken"
-    fake.write_text("aGVsbG8= 0\n")
-    with pytest.raises(ValueError, match="GPT2_TIKTOKEN_PATH"):
-        BPETokenizer(str(fake))
-    with pytest.raises(FileNotFoundError, match="GPT2_TIKTOKEN_PATH"):
-        BPETokenizer(str(tmp_path / "missing.tiktoken"))
 
 
 def test_text_files_without_a_path_names_data_path(tmp_path):
     result = run_prepare("data=text_files", f"data.cache_dir={tmp_path}")
     assert_one_line_error(result, "data.path is not set")
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"good text\n" * 10 + b"caf\xe9 au lait\n", r"is not UTF-8 text: byte 0xe9 at offset 103"),
+    (b"\x89PNG\r\n\x1a\n" + bytes(range(256)), r"is not UTF-8 text: byte 0x89 at offset 0"),
+    (b"text\n" * 5 + b"\0\0\0\0", r"is binary, not text: a NUL byte at offset 25"),
+])
+def test_a_binary_or_non_utf8_corpus_names_the_file_and_offset(tmp_path, content, message):
+    corpus = tmp_path / "corpus.dat"
+    corpus.write_bytes(content)
+    with pytest.raises(ValueError, match=rf"data.path: {corpus} {message}"):
+        prepare(data_config("data=text_files", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'c'}"))
+    assert not (tmp_path / "c").exists()
 
 
 def test_missing_corpus_file_names_data_path(tmp_path):

@@ -48,19 +48,17 @@ def test_unsupported_gpt2_config_names_the_field(tmp_path, field, value):
 
 
 @pytest.mark.slow
-def test_finetune_from_hugging_face_then_sample(tmp_path, data_cache, shakespeare_path, bpe_path):
+def test_finetune_from_hugging_face_then_sample(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_gpt2(hf_dir, vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
     run = tmp_path / "run"
-    train(compose("experiment=shakespeare_bpe", f"init_from={hf_dir}", f"data.path={shakespeare_path}",
-                  f"data.bpe_path={bpe_path}", f"data.cache_dir={data_cache}", "train.max_iters=4",
+    train(compose("experiment=shakespeare_bpe", f"init_from={hf_dir}", "train.max_iters=4",
                   "train.eval_interval=2", "train.eval_iters=1", "train.batch_size=2",
                   "train.lr=3e-5", "train.min_lr=3e-5", "train.warmup_iters=0", "train.sample_tokens=0"), run)
     ckpt = checkpoint.load(run)
     assert ckpt.model_config.n_embd == 16 and ckpt.model_config.block_size == 64
     assert ckpt.data_meta["tokenizer"] == "bpe"
-    result = run_cli("generate.py", f"ckpt={run}", "prompt=ROMEO:", "max_new_tokens=8",
-                     f"bpe_path={bpe_path}")
+    result = run_cli("generate.py", f"ckpt={run}", "prompt=ROMEO:", "max_new_tokens=8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
 
