@@ -1,5 +1,6 @@
 """Sample from a trained checkpoint, with or without the KV cache.
 
+    python generate.py                              # the latest run in outputs/
     python generate.py ckpt=outputs/... prompt="ROMEO:" max_new_tokens=500 num_samples=3
     python generate.py ckpt=... kv_cache=false      # the uncached reference path
     python generate.py ckpt=... benchmark=true      # tokens/s with and without the cache
@@ -9,7 +10,14 @@
 callable from Python; `main` is the Hydra wrapper.
 """
 
+import signal
 import sys
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
+
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +27,8 @@ from hydra.core.config_store import ConfigStore
 
 from data.errors import config_object, run_guarded
 from data.tokenizer import tokenizer_from_meta
-from model.checkpoint import check_quantize, load_model
-from model.device import check_dtype
+from model.checkpoint import check_quantize, latest_run, load_model
+from model.device import check_device, check_dtype
 from model.generation import check_sampling, compile_decode_step, left_pad, stream, timed_stream
 from model.plots import plot_attention
 
@@ -29,7 +37,8 @@ from model.plots import plot_attention
 class GenerateConfig:
     """configs/generate.yaml: what to sample from, how, and what to print."""
 
-    ckpt: str | None = None        # a run dir (its best.pt, else ckpt.pt) or a checkpoint file
+    ckpt: str | None = None        # a run dir (its best.pt, else ckpt.pt) or a checkpoint file;
+                                   # None: the latest run in outputs/
     prompt: str = "\n"
     prompt_file: str | None = None  # one prompt per line, all in one batch
     num_samples: int = 1           # per prompt
@@ -49,8 +58,9 @@ class GenerateConfig:
     attn_layer: int = 0
 
     def __post_init__(self):
-        if not self.ckpt:
-            raise ValueError("ckpt is not set: give a run dir or a checkpoint file, e.g. ckpt=outputs/<run>")
+        if self.ckpt == "":
+            raise ValueError("ckpt is empty: give a run dir or a checkpoint file, or leave it out for "
+                             "the latest run in outputs/")
         if self.prompt_file is None and self.prompt == "":
             raise ValueError("the prompt is empty: give at least one character, e.g. prompt='\\n'")
         if self.num_samples < 1:
@@ -59,9 +69,43 @@ class GenerateConfig:
                        top_k=self.top_k, top_p=self.top_p)
         check_dtype(self.dtype)
         check_quantize(self.quantize)
+        check_device(self.device)
+        if self.attn_plot:
+            check_output_file(self.attn_plot, "attn_plot")
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
+
+LITERAL_OPTIONS = ("prompt", "stop")  # free text: taken as typed, not parsed by Hydra's grammar
+
+
+def unescape(text: str) -> str:
+    """\\n and \\t as typed on a command line become a newline and a tab (\\\\ a backslash)."""
+    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
+
+
+def quote_literal_options(argv: list[str]) -> list[str]:
+    """`prompt=To be, or not` as the shell hands it over, quoted for Hydra so that commas, quotes,
+    brackets, `${` and newlines are text (Hydra's grammar would reject or interpret them); a typed
+    \\n or \\t is a newline or a tab."""
+    def quoted(value: str) -> str:  # in Hydra's quoted strings, \ escapes only before ' and ${
+        escaped = re.sub(r"(\\*)('|\$\{|$)",
+                         lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
+        return f"'{escaped}'"
+
+    return [f"{key}={quoted(unescape(value))}" if key in LITERAL_OPTIONS else arg
+            for arg in argv for key, _, value in [arg.partition("=")]]
+
+
+def check_output_file(path: str, option: str) -> None:
+    """A file the run will write: its folder must exist and be writable, and it not a folder."""
+    folder = Path(path).expanduser().parent
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{option}={path}: the folder {folder} does not exist")
+    if Path(path).expanduser().is_dir():
+        raise IsADirectoryError(f"{option}={path} is a folder: give a file name, e.g. {option}=attn.png")
+    if not os.access(folder, os.W_OK):
+        raise PermissionError(f"{option}={path}: the folder {folder} is not writable")
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
@@ -82,7 +126,11 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     """Generate as cfg says; prints the samples to `out` (stdout by default; a single sample
     streams) and returns their texts."""
     out = out or sys.stdout
-    model, ckpt = load_model(cfg.ckpt, cfg.device, cfg.dtype, cfg.quantize)
+    source = cfg.ckpt
+    if source is None:
+        source = latest_run("outputs")
+        print(f"ckpt: {source} (the latest run in outputs/; choose another with ckpt=...)", file=sys.stderr)
+    model, ckpt = load_model(source, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device
     tokenizer = tokenizer_from_meta(ckpt.data_meta)
     prompts = read_prompts(cfg)
@@ -159,4 +207,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *quote_literal_options(sys.argv[1:])]
     main()

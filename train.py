@@ -10,12 +10,16 @@ model and its optimizer, evaluation and logging, then `train(cfg, run_dir)`: the
 from Python. `main` is the Hydra wrapper.
 """
 
+import signal
+import sys
+
+if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
+
 import dataclasses
 import json
 import math
 import os
-import signal
-import sys
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -28,17 +32,18 @@ import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data.batches import Batches
-from data.errors import check_keys, config_object, run_guarded
+from data.errors import check_keys, config_object, one_line, run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
-from model.device import autocast, init_distributed, main_process_first
+from model.device import autocast, check_device, init_distributed, main_process_first
 from model.plots import plot_losses
 
 
@@ -69,7 +74,9 @@ class TrainConfig:
     peak_tflops: float = 989.0    # the device's bf16 peak, for MFU (H100 SXM dense)
 
     def __post_init__(self):
-        rules = {">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
+        rules = {"a finite number": (math.isfinite, "lr min_lr weight_decay beta1 beta2 grad_clip "
+                                                    "peak_tflops"),
+                 ">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
                  ">= 0": (lambda v: v >= 0, "max_iters warmup_iters lr_decay_iters min_lr weight_decay "
                                             "grad_clip sample_tokens"),
                  "> 0": (lambda v: v > 0, "lr peak_tflops"),
@@ -80,6 +87,9 @@ class TrainConfig:
             for name in names.split():
                 if not holds(getattr(self, name)):
                     raise ValueError(f"train.{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} must not exceed train.lr={self.lr}")
+        check_device(self.device, "train.device")
 
 
 ConfigStore.instance().store(group="train", name="schema", node=TrainConfig)
@@ -108,10 +118,15 @@ def model_config(cfg_model, vocab_size: int) -> GPTConfig:
 
 
 def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> GPT:
-    """The GPT the config describes, or with init_from the source's architecture and weights (only
-    model.dropout comes from the config); with a resumed checkpoint, its weights."""
+    """The GPT the config describes; with a resumed checkpoint, its weights (the model may not
+    change); else with init_from the source's architecture and weights (only model.dropout comes
+    from the config)."""
     config, weights, source = model_config(cfg.model, vocab_size), None, None
-    if cfg.init_from:
+    if resume is not None:
+        source = f"train.resume={cfg.train.resume}"
+        checkpoint.check_resumable(resume, config, source)
+        weights = resume.model
+    elif cfg.init_from:
         source_config, weights = checkpoint.init_from(cfg.init_from)
         config = dataclasses.replace(source_config, dropout=config.dropout)
         source = f"init_from={cfg.init_from}"
@@ -119,10 +134,6 @@ def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> 
     if config.vocab_size < vocab_size:
         raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the data's "
                          f"vocabulary ({vocab_size})")
-    if resume is not None:
-        source = f"train.resume={cfg.train.resume}"
-        checkpoint.check_resumable(resume, config, source)
-        weights = resume.model
     model = GPT(config)
     if weights is not None:
         checkpoint.load_weights(model, weights, source)
@@ -210,15 +221,9 @@ class RunLog:
     terminal (a tqdm bar, or plain lines when stderr is not one). Each record is stamped with the
     seconds since the loop started, evaluations included."""
 
-    def __init__(self, run_dir: Path, wandb_cfg, resolved_cfg: dict, master: bool, step: int, max_iters: int):
+    def __init__(self, run_dir: Path, wandb_run, master: bool, step: int, max_iters: int):
         self.path, self.master, self.max_iters = run_dir / "metrics.jsonl", master, max_iters
-        self.wandb = None
-        if wandb_cfg.mode not in ("disabled", "offline", "online"):
-            raise ValueError(f"wandb.mode={wandb_cfg.mode!r} is not one of disabled, offline, online")
-        if master and wandb_cfg.mode != "disabled":
-            import wandb  # seconds to import, and not on every machine: only when asked for
-            self.wandb = wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, name=wandb_cfg.name,
-                                    dir=str(run_dir), config=resolved_cfg)
+        self.wandb = wandb_run
         self.bar = tqdm(total=max_iters, initial=step, desc="train", dynamic_ncols=True,
                         disable=not (master and sys.stderr.isatty()))
         self.start = time.perf_counter()
@@ -226,8 +231,11 @@ class RunLog:
     def record(self, entry: dict) -> None:
         entry["elapsed_s"] = time.perf_counter() - self.start
         if self.master:
-            with self.path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
+            try:
+                with self.path.open("a") as f:
+                    f.write(json.dumps(entry) + "\n")
+            except OSError as e:
+                raise type(e)(f"cannot write {self.path}: {e.strerror or e}") from e
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
@@ -243,6 +251,24 @@ class RunLog:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+def start_wandb(wandb_cfg, run_dir: Path, config: dict):
+    """The wandb run (None when wandb.mode is disabled), started before any work so that a missing
+    API key or a bad setting stops the run at once."""
+    if wandb_cfg.mode == "disabled":
+        return None
+    import wandb  # seconds to import, and not on every machine: only when asked for
+
+    try:
+        return wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, name=wandb_cfg.name,
+                          dir=str(run_dir), config=config)
+    except wandb.errors.Error as e:
+        fix = "; or log locally with wandb.mode=offline" if wandb_cfg.mode == "online" else ""
+        raise ValueError(f"wandb.mode={wandb_cfg.mode}: {one_line(e)}{fix}") from e
 
 
 def print_sample(model: GPT, meta: dict, n_tokens: int, seed: int) -> None:
@@ -271,27 +297,43 @@ def stop_requests():
 # ----------------------------------------------------------------------------- the loop
 
 def train(cfg: DictConfig, run_dir) -> dict:
-    """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir."""
+    """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir, which must
+    not hold another run (see checkpoint.claim_run_dir). Every option is checked, and a resumed
+    checkpoint read, before any work starts."""
     tcfg, dcfg = config_object(cfg.train, "train."), config_object(cfg.data, "data.")
     model_config(cfg.model, vocab_size=1)  # the model options' ranges, checked before any work
+    if cfg.wandb.mode not in WANDB_MODES:
+        raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
+    resume = None
+    if tcfg.resume:
+        resume = checkpoint.load(tcfg.resume, option="train.resume")
+        checkpoint.remove_stale_temp_files(checkpoint.find(tcfg.resume).parent)
+        if resume.step > tcfg.max_iters:
+            raise ValueError(f"train.max_iters={tcfg.max_iters} is below the step train.resume reached "
+                             f"({resume.step}): set train.max_iters={resume.step} or more")
     rank, world_size, device = init_distributed(tcfg.device)
+    run_dir = checkpoint.claim_run_dir(run_dir) if rank == 0 else Path(run_dir)
     try:
-        return fit(cfg, tcfg, dcfg, Path(run_dir), rank, world_size, device)
+        return fit(cfg, tcfg, dcfg, resume, run_dir, rank, world_size, device)
     finally:
+        checkpoint.release_run_dir(run_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_size, device) -> dict:
+def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run_dir: Path,
+        rank, world_size, device) -> dict:
     master = rank == 0
+    resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
+    wandb_run = start_wandb(cfg.wandb, run_dir, resolved_cfg) if master else None
     checkpoint.seed_rngs(tcfg.seed)
     amp = autocast(device, tcfg.dtype)
     with main_process_first():  # rank 0 prepares the data, the other ranks then find it
         meta, train_tokens, val_tokens = load_prepared(prepare(dcfg))
 
-    resume = checkpoint.load(tcfg.resume, option="train.resume") if tcfg.resume else None
     raw_model = build_model(cfg, meta["vocab_size"], resume).to(device)
     config, n_params = raw_model.config, raw_model.num_params()
+    resolved_cfg["model"] = dataclasses.asdict(config)  # what was trained, init_from's included
     optimizer = raw_model.configure_optimizer(tcfg.lr, (tcfg.beta1, tcfg.beta2), tcfg.weight_decay,
                                               fused=device.type == "cuda")
 
@@ -302,10 +344,9 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_siz
 
     batches = partial(Batches, block_size=config.block_size, batch_size=global_batch, device=device,
                       seed=tcfg.seed, on_device=dcfg.on_device)
-    eval_splits = {"train": batches(train_tokens), "val": batches(val_tokens)}  # fixed eval batches
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run = Run(raw_model, optimizer, batches(train_tokens), run_dir,
-              OmegaConf.to_container(cfg, resolve=True), meta, master)
+    eval_splits = {"train": batches(train_tokens, split="the train"),  # fixed evaluation batches
+                   "val": batches(val_tokens, split="the val")}
+    run = Run(raw_model, optimizer, batches(train_tokens), run_dir, resolved_cfg, meta, master)
     if resume is not None:
         optimizer.load_state_dict(resume.optimizer)
         run.step, run.best_val = resume.step, resume.best_val
@@ -324,7 +365,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_siz
         f"data: {meta['tokenizer']} vocab {meta['vocab_size']}, {len(train_tokens):,} train tokens | "
         f"{tokens_per_step:,} tokens/step on {world_size} x {device} | run dir: {run_dir}")
 
-    log = RunLog(run_dir, cfg.wandb, run.resolved_cfg, master, run.step, tcfg.max_iters)
+    log = RunLog(run_dir, wandb_run, master, run.step, tcfg.max_iters)
     t0, tokens_since = time.perf_counter(), 0
     with stop_requests() as stop:
         while True:
@@ -368,9 +409,9 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, run_dir: Path, rank, world_siz
 
     if stop:
         path = run.save("ckpt.pt")
-        say(f"{signal.Signals(stop[0]).name}: saved {path} at step {run.step}; "
-            f"continue with train.resume={run_dir}")
-        return {"interrupted": stop[0], "step": run.step, "checkpoint": path}
+        say(f"{signal.Signals(stop[0]).name}: saved {path} at step {run.step}; continue with: "
+            f"python train.py train.resume={run_dir}")
+        return {"interrupted": stop[0], "step": run.step, "checkpoint": path, "run_dir": run_dir}
     if master:
         plot_losses(log.path, run_dir / "loss.png")
         if tcfg.sample_tokens > 0:
@@ -389,17 +430,76 @@ AUTO_RECIPES = {
 
 
 def with_default_experiment(argv: list[str]) -> list[str]:
-    """Without experiment=..., pick the recipe for this machine and say so."""
-    if any(a.lstrip("+").startswith("experiment=") for a in argv[1:]):
+    """Without experiment=..., pick the recipe for this machine and say so (not when resuming:
+    a resumed run continues with its own config)."""
+    if any(a.lstrip("+").startswith(("experiment=", "train.resume=")) for a in argv[1:]):
         return argv
     recipe, why = AUTO_RECIPES[torch.cuda.is_available()]
     print(f"recipe: experiment={recipe} ({why}); choose another with experiment=...", flush=True)
     return [*argv, f"experiment={recipe}"]
 
 
+def resume_config(cfg: DictConfig, saved: dict, changed: set[str]) -> DictConfig:
+    """The config a resumed run continues with: the one saved in its checkpoint, except the keys
+    in `changed` (those the command line set), which keep cfg's values. A key the saved config
+    lacks (an older checkpoint) keeps cfg's value too; a changed model is refused later, by name."""
+    cfg = cfg.copy()
+    for key, value in flat(saved).items():
+        if key not in changed and OmegaConf.select(cfg, key, default=ABSENT) is not ABSENT:
+            OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+ABSENT = object()
+
+
+def flat(config: dict, prefix: str = "") -> dict:
+    """{"a.b": leaf} for every leaf of a nested dict (lists are leaves)."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out |= flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
+    """The config keys the command line's overrides set, directly (train.max_iters=...) or through
+    a group (attention=gqa): those whose value differs from the config composed without them."""
+    baseline = flat(OmegaConf.to_container(hydra.compose(config_name="train"), resolve=True))
+    now = flat(OmegaConf.to_container(cfg, resolve=True))
+    typed = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return {key for key in now if now[key] != baseline.get(key, ABSENT) or key in typed}
+
+
+def command_line_train(cfg: DictConfig, run_dir: str) -> dict:
+    """train() as `python train.py` runs it: with train.resume, on the checkpoint's own config
+    plus what this command line changed."""
+    if cfg.train.resume:
+        saved = checkpoint.load(cfg.train.resume, option="train.resume").config
+        changed = changed_on_command_line(cfg, HydraConfig.get().overrides.task)
+        cfg = resume_config(cfg, saved, changed)
+        say(f"train.resume: the saved config of {cfg.train.resume}, changed here: "
+            f"{', '.join(sorted(changed - {'train.resume'})) or 'nothing'}")
+    return train(cfg, run_dir)
+
+
+class RunDirGuard(Callback):
+    """Claims the run dir (checkpoint.claim_run_dir) before Hydra writes its .hydra/ there, so a
+    run into a folder that holds another run, or one another process trains in, is refused
+    before it changes anything. Rank 0 only: under torchrun the other ranks write nothing."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        if int(os.environ.get("RANK", 0)) == 0:
+            run_guarded(checkpoint.claim_run_dir, config.hydra.run.dir)
+
+
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_guarded(train, cfg, HydraConfig.get().runtime.output_dir)
+    result = run_guarded(command_line_train, cfg, HydraConfig.get().runtime.output_dir)
+    if result.get("interrupted"):
+        sys.exit(128 + result["interrupted"])  # 130 for Ctrl-C, 143 for SIGTERM, as shells expect
 
 
 if __name__ == "__main__":

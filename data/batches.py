@@ -13,10 +13,10 @@ class Batches:
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, *, device="cpu",
-                 seed: int = 0, on_device: bool = True):
+                 seed: int = 0, on_device: bool = True, split: str = "the"):
         if len(tokens) <= block_size:
-            raise ValueError(f"the split has {len(tokens)} tokens, not enough for "
-                             f"model.block_size={block_size}")
+            raise ValueError(f"model.block_size={block_size} is too long for {split} split ({len(tokens):,} "
+                             f"tokens): lower it, or give more text (data.path, data.val_fraction)")
         self.block_size, self.batch_size = block_size, batch_size
         self.device = torch.device(device)
         self.on_device = on_device

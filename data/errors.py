@@ -39,9 +39,12 @@ def raised_inside_torch(error: BaseException) -> bool:
 
 
 def run_guarded(fn, *args, **kwargs):
-    """fn(*args, **kwargs); a user error ends the process with one line and exit code 1."""
+    """fn(*args, **kwargs); a user error ends the process with one line and exit code 1, Ctrl-C
+    with exit code 130 and no traceback."""
     try:
         return fn(*args, **kwargs)
+    except KeyboardInterrupt:  # Ctrl-C before a run's own handler is in place: end quietly
+        sys.exit(130)
     except USER_ERRORS as e:
         bug = isinstance(e, ValueError) and raised_inside_torch(e)
         if bug or os.environ.get("HYDRA_FULL_ERROR") == "1":

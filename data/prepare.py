@@ -93,7 +93,7 @@ def read_corpus(files: list[Path], option: str = "data.path") -> bytes:
         try:
             data = f.read_bytes()
         except OSError as e:
-            raise OSError(f"{option}: cannot read {f}: {e.strerror}") from e
+            raise type(e)(f"{option}: cannot read {f}: {e.strerror or e}") from e
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -125,13 +125,13 @@ def prepare(cfg: DataConfig) -> Path:
         cache_dir(cfg).mkdir(parents=True, exist_ok=True)
         tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
     except OSError as e:
-        raise OSError(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror})") from e
+        raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     try:
         write_prepared(cfg, files, source_sha256, key, tmp_dir)
         os.replace(tmp_dir, out_dir)
     except OSError as e:
         if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
-            raise OSError(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror})") from e
+            raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir

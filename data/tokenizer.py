@@ -68,7 +68,7 @@ def gpt2_encoding(bpe_path=GPT2_BPE_PATH) -> tiktoken.Encoding:
     try:
         contents = Path(bpe_path).read_bytes()
     except OSError as e:
-        raise OSError(f"cannot read GPT-2's BPE ranks {bpe_path} ({e.strerror}): reinstall kvgpt") from e
+        raise type(e)(f"cannot read GPT-2's BPE ranks {bpe_path} ({e.strerror or e}): reinstall kvgpt") from e
     if (digest := hashlib.sha256(contents).hexdigest()) != GPT2_BPE_SHA256:
         raise ValueError(f"{bpe_path} has sha256 {digest}, expected {GPT2_BPE_SHA256}: reinstall kvgpt")
     ranks = {base64.b64decode(token): int(rank)

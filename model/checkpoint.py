@@ -27,7 +27,14 @@ from model.device import check_dtype, pick_device
 from model.gpt import GPT
 from model.quantize import quantize_int8
 
+try:
+    import fcntl  # run-dir locks, where the OS has flock (Linux, macOS)
+except ImportError:
+    fcntl = None
+
 RUN_FILES = ("ckpt.pt", "best.pt")  # what a run dir holds: the last state, and the best val loss
+RUN_MARKERS = (*RUN_FILES, "metrics.jsonl")  # a folder holding any of these holds a run
+LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
 
 
 @dataclass
@@ -63,23 +70,55 @@ def find(path, prefer: str = "ckpt.pt", option: str | None = None) -> Path:
 
 def save(path, ckpt: Checkpoint) -> Path:
     """Write atomically: a temp file in the same folder, renamed over the old one. On any
-    failure (a full disk, `path` a folder) the temp file goes and the old file stays."""
+    failure (a full disk, `path` a folder) the temp file goes and the old file stays; a write
+    the disk refused is an OSError that says so."""
     path = Path(path)
     state = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
     state["model_config"] = dataclasses.asdict(ckpt.model_config)
     state["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    kept = "; the previous one is intact" if path.is_file() else ""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as e:
+        raise type(e)(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            writer = ErrorKeepingWriter(f)
+            try:
+                torch.save(state, writer)
+            except RuntimeError as e:  # torch reports a failed write as "unexpected pos ..."
+                if writer.error is None:
+                    raise
+                raise writer.error from e
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would give
         os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise type(e)(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+class ErrorKeepingWriter:
+    """The file torch.save writes to, keeping the OSError of a refused write (a full disk), which
+    torch itself turns into a RuntimeError that does not say why."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def current_umask() -> int:
@@ -122,11 +161,96 @@ def check_resumable(ckpt: Checkpoint, config: GPTConfig, option: str) -> None:
     for name, value in dataclasses.asdict(config).items():
         saved = getattr(ckpt.model_config, name)
         if name != "dropout" and saved != value:
-            raise ValueError(f"checkpoint {option} has model.{name}={saved!r} but this run asks for "
-                             f"{value!r}: resume with the checkpoint's model settings")
+            raise ValueError(f"{option}: its model has model.{name}={saved!r} but this run asks for "
+                             f"{value!r}: a resumed run keeps its model (drop that override, or start "
+                             f"a new run from it with init_from=...)")
     if ckpt.optimizer is None:
         raise ValueError(f"{option} holds no training state (a converted checkpoint?): start from it "
                          f"with init_from instead")
+
+
+# ----------------------------------------------------------------------------- run directories
+
+held_run_dirs: dict[Path, int] = {}  # run dir -> the open lock file descriptor this process holds
+
+
+def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
+    """Make run_dir this process's to train in, before anything is written there. Refused when
+    another process trains in it (its lock is held) or when it already holds a run; temp files
+    that a process killed mid-save left there are removed. Idempotent within a process;
+    release_run_dir gives it back (so does the process's exit)."""
+    run_dir = Path(run_dir).expanduser().resolve()
+    if run_dir in held_run_dirs:
+        return run_dir
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise type(e)(f"{option}: cannot write to {run_dir}: {e.strerror or e}") from e
+    if not lock(fd):
+        os.close(fd)
+        raise ValueError(f"{option}={run_dir} is in use: another process is training there; "
+                         f"write this run to another {option}")
+    if found := [name for name in RUN_MARKERS if (run_dir / name).exists()]:
+        os.close(fd)
+        raise FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
+                              f"overwrite: continue it with train.resume={run_dir}, or write to another "
+                              f"{option}")
+    remove_stale_temp_files(run_dir, locked=True)
+    held_run_dirs[run_dir] = fd
+    return run_dir
+
+
+def release_run_dir(run_dir) -> None:
+    fd = held_run_dirs.pop(Path(run_dir).expanduser().resolve(), None)
+    if fd is not None:
+        os.close(fd)  # which releases the lock
+
+
+def lock(fd: int) -> bool:
+    """Take an exclusive lock on an open file without waiting; False if another process has it.
+    Where flock does not exist (Windows), there is no lock and this says True."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def remove_stale_temp_files(run_dir, locked: bool = False) -> list[Path]:
+    """Delete the `.ckpt.pt.*` / `.best.pt.*` temp files of saves that never finished (the
+    process was killed), unless a live process holds run_dir's lock and may be writing them."""
+    run_dir = Path(run_dir)
+    temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
+    if not temps or not (locked or not_in_use(run_dir)):
+        return []
+    for temp in temps:
+        temp.unlink(missing_ok=True)
+    return temps
+
+
+def not_in_use(run_dir: Path) -> bool:
+    """Whether no process holds run_dir's lock (a folder we cannot lock counts as in use)."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file: no process of ours ever trained here
+        return not (run_dir / LOCK_FILE).exists()
+    try:
+        return lock(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_run(root="outputs") -> Path:
+    """The run dir under `root` whose checkpoint was written last (what `python generate.py`
+    samples from when no ckpt is given)."""
+    checkpoints = [p for name in RUN_FILES for p in Path(root).rglob(name) if p.is_file()]
+    if not checkpoints:
+        raise FileNotFoundError(f"ckpt is not set and {root}/ holds no run with a checkpoint: train one "
+                                f"with `python train.py`, or give ckpt=<run dir or checkpoint file>")
+    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
 
 
 def seed_rngs(seed: int) -> None:

@@ -3,6 +3,7 @@ torchrun job, training's autocast, the dtypes a model can be loaded in, and a cl
 for the device."""
 
 import os
+import re
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -12,19 +13,24 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def check_device(name: str, option: str = "device") -> str:
+    """A device name this project runs on: auto, cpu, cuda or cuda:N (checked when the config is
+    built; whether CUDA is there is checked when the device is picked)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(name)):
+        raise ValueError(f"{option}={name!r} is not one of auto, cpu, cuda, cuda:N")
+    return name
+
+
 def pick_device(name: str = "auto", option: str = "device") -> torch.device:
     """`auto` is CUDA when it is available, else the CPU. `option` is the config key the name
     came from, for the error message."""
-    if name == "auto":
+    if check_device(name, option) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{option}={name!r} is not one of auto, cpu, cuda, cuda:N")
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{option}={name} but CUDA is not available")
+        raise ValueError(f"{option}={name} but CUDA is not available: use {option}=cpu or auto")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"{option}={name} but this machine has {torch.cuda.device_count()} CUDA devices")
     return device
 
 

@@ -11,6 +11,8 @@ the last block_size tokens at every step, while the cache is refilled once from 
 block_size // 2 and then grows again.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -22,8 +24,8 @@ def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None)
     """The sampling options' ranges; each message names the option."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0 or math.isinf(temperature):
+        raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1 or null, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:

@@ -53,9 +53,12 @@ def clean_env(**extra: str) -> dict:
     return dict(os.environ) | extra
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`python <args>` from the repo root (a script, or -m module), output captured."""
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -> subprocess.CompletedProcess:
+    """`python <args>` (a script of the repo, or -m module), run in `cwd` (the repo root by
+    default), output captured."""
+    if args[0].endswith(".py"):
+        args = (str(ROOT / args[0]), *args[1:])
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=clean_env(**(env or {})))
 
 

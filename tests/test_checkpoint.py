@@ -1,8 +1,15 @@
 """model/checkpoint.py: the file holds exactly the Checkpoint fields, weights_only loading, atomic
-saves, the compiled-model prefix, load_model in each dtype, init_from, resume checks, RNG state."""
+saves (a full disk included), run dirs (claimed once, never over a run, stale temp files), the
+latest run, the compiled-model prefix, load_model in each dtype, init_from, resume checks, RNG
+state."""
 
 import argparse
 import dataclasses
+import os
+import resource
+import subprocess
+import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -10,7 +17,7 @@ import torch
 from model import GPT, checkpoint
 from model.checkpoint import Checkpoint, load_model
 from model.quantize import Int8Linear
-from tests.helpers import tiny_config, tiny_model
+from tests.helpers import ROOT, tiny_config, tiny_model
 
 
 def write(path, model: GPT, **fields) -> None:
@@ -92,6 +99,79 @@ def test_failed_save_leaves_the_old_file_and_no_temp_file(tmp_path):
     assert checkpoint.load(tmp_path / "ckpt.pt").step == 1
 
 
+@contextmanager
+def disk_full_after(n_bytes: int):
+    """Writes past n_bytes fail (EFBIG), as on a full disk: RLIMIT_FSIZE, which Python's ignored
+    SIGXFSZ turns into an OSError instead of killing the process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_temp_file(tmp_path):
+    write(tmp_path / "ckpt.pt", tiny_model(), step=1)
+    size = (tmp_path / "ckpt.pt").stat().st_size
+    message = r"^cannot write checkpoint .*ckpt\.pt: File too large; the previous one is intact"
+    with disk_full_after(size // 2), pytest.raises(OSError, match=message):
+        write(tmp_path / "ckpt.pt", tiny_model(seed=1), step=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert checkpoint.load(tmp_path / "ckpt.pt").step == 1
+
+
+def test_a_run_dir_is_claimed_once_and_never_over_a_run(tmp_path):
+    run_dir = checkpoint.claim_run_dir(tmp_path / "run")
+    assert checkpoint.claim_run_dir(tmp_path / "run") == run_dir  # idempotent in one process
+    in_use = subprocess.run([sys.executable, "-c", "import sys; from model import checkpoint; "
+                             "checkpoint.claim_run_dir(sys.argv[1])", str(run_dir)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert in_use.returncode != 0 and "is in use: another process is training there" in in_use.stderr
+    write(run_dir / "ckpt.pt", tiny_model())
+    checkpoint.release_run_dir(run_dir)
+    for marker in checkpoint.RUN_MARKERS:
+        (tmp_path / marker).mkdir()
+        (tmp_path / marker / marker).touch()
+        with pytest.raises(FileExistsError, match=rf"already holds a run \({marker}\).*train.resume="):
+            checkpoint.claim_run_dir(tmp_path / marker, "hydra.run.dir")
+    with pytest.raises(OSError, match=r"^hydra.run.dir: cannot write to .*a_file/run"):
+        (tmp_path / "a_file").touch()
+        checkpoint.claim_run_dir(tmp_path / "a_file" / "run")
+
+
+def test_temp_files_of_a_killed_save_go_at_the_next_start_unless_a_writer_lives(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    litter = [run_dir / ".ckpt.pt.abc123", run_dir / ".best.pt.x9"]
+    for temp in litter:
+        temp.write_bytes(b"half a checkpoint")
+    (run_dir / "keep.txt").touch()
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from model import checkpoint; "
+                               "checkpoint.claim_run_dir(sys.argv[1]); print('ok', flush=True); "
+                               "time.sleep(60)", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "ok\n"
+        for temp in litter:  # the claim removed those of a dead writer; now a live one may write
+            temp.write_bytes(b"being written")
+        assert checkpoint.remove_stale_temp_files(run_dir) == []
+    finally:
+        writer.kill()
+        writer.wait()
+    assert sorted(checkpoint.remove_stale_temp_files(run_dir)) == sorted(litter)
+    assert [p.name for p in run_dir.iterdir() if not p.name.startswith(".lock")] == ["keep.txt"]
+
+
+def test_the_latest_run_is_the_one_written_last(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"ckpt is not set and .*outputs/ holds no run"):
+        checkpoint.latest_run(tmp_path / "outputs")
+    for i, name in enumerate(["2026-01-02/10-00-00", "2026-01-01/09-00-00", "multirun_like/0_x"]):
+        (tmp_path / "outputs" / name).mkdir(parents=True)
+        write(tmp_path / "outputs" / name / "best.pt", tiny_model())
+        os.utime(tmp_path / "outputs" / name / "best.pt", (1_000_000 + i, 1_000_000 + i))
+    assert checkpoint.latest_run(tmp_path / "outputs") == tmp_path / "outputs" / "multirun_like/0_x"
+
+
 def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
     config = tiny_config()
     compiled = torch.compile(GPT(config), backend="eager")
@@ -150,7 +230,7 @@ def test_only_a_training_checkpoint_with_the_same_model_resumes(tmp_path):
     with pytest.raises(ValueError, match="holds no training state"):
         checkpoint.check_resumable(ckpt, model.config, "train.resume=x")
     other = dataclasses.replace(model.config, n_layer=3)
-    with pytest.raises(ValueError, match=r"model\.n_layer=2 but this run asks for 3"):
+    with pytest.raises(ValueError, match=r"model\.n_layer=2 but this run asks for 3: a resumed run keeps"):
         checkpoint.check_resumable(ckpt, other, "train.resume=x")
 
 

@@ -86,10 +86,11 @@ def test_out_of_range_values_name_the_field(override, field):
 @pytest.mark.parametrize("override,field", [
     ("top_k=0", "top_k"), ("top_p=1.5", "top_p"), ("temperature=-1", "temperature"),
     ("max_new_tokens=-1", "max_new_tokens"), ("num_samples=0", "num_samples"), ("dtype=float16", "dtype"),
-    ("quantize=int4", "quantize"), ("ckpt=null", "ckpt"), ("prompt=''", "prompt"),
+    ("quantize=int4", "quantize"), ("ckpt=''", "ckpt"), ("prompt=''", "prompt"), ("device=mps", "device"),
+    ("temperature=nan", "temperature"), ("attn_plot=/nonexistent/a.png", "attn_plot"),
 ])
 def test_out_of_range_generate_options_name_the_option(override, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises((ValueError, OSError), match=field):
         OmegaConf.to_object(compose("ckpt=run", override, config_name="generate"))
 
 

@@ -1,15 +1,18 @@
 """generate.py, the command line: streaming, batching, stop strings, the benchmark and heatmaps,
 and one-line errors."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
-from generate import GenerateConfig, sample
-from tests.helpers import assert_one_line_error, run_cli
+from generate import GenerateConfig, quote_literal_options, sample
+from tests.helpers import ROOT, assert_one_line_error, compose, run_cli
 
 
-def generate_cli(*args):
-    return run_cli("generate.py", *args)
+def generate_cli(*args, cwd=ROOT):
+    return run_cli("generate.py", *args, cwd=cwd)
 
 
 def test_cli_streams_one_sample(tiny_ckpt):
@@ -59,7 +62,8 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["prompt='Zé'"], "not in this model's vocabulary: 'é'"),
-    (["prompt=''"], "the prompt is empty"),
+    (["prompt="], "the prompt is empty"),
+    (["attn_plot=/nonexistent/a.png"], "attn_plot=/nonexistent/a.png: the folder /nonexistent does not"),
     (["max_new_tokens=-1"], "max_new_tokens must be >= 0"),
     (["top_p=1.5"], "top_p must be in (0, 1]"),
     (["top_p=0"], "top_p must be in (0, 1]"),
@@ -72,8 +76,40 @@ def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
 
 
-def test_cli_without_a_checkpoint_says_what_to_set():
-    assert_one_line_error(generate_cli(), "ckpt is not set")
+def test_without_ckpt_it_samples_from_the_latest_run_in_outputs(tiny_ckpt, tmp_path):
+    assert_one_line_error(generate_cli(cwd=tmp_path), "ckpt is not set and outputs/ holds no run")
+    for i, name in enumerate(["2026-01-02/09-00-00", "2026-01-01/10-00-00"]):  # the first written last
+        shutil.copytree(tiny_ckpt, tmp_path / "outputs" / name)
+        for ckpt in (tmp_path / "outputs" / name).glob("*.pt"):
+            os.utime(ckpt, (2e9 - i, 2e9 - i))
+    result = generate_cli("prompt=ROMEO:", "max_new_tokens=5", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("ROMEO:"), result.stderr
+    assert result.stderr.strip() == ("ckpt: outputs/2026-01-02/09-00-00 (the latest run in outputs/; "
+                                     "choose another with ckpt=...)")
+
+
+GRAMMAR = "it's \"quoted\" [1,2] {a: b} ${oops} x=y,z \\' \\"  # all of it Hydra syntax, unquoted
+
+
+@pytest.mark.parametrize("typed, meant", [
+    ("To be, or not", "To be, or not"),
+    (GRAMMAR, GRAMMAR),
+    ("real\nnewlines\n\n", "real\nnewlines\n\n"),
+    (r"typed\n\t escapes, \\n", "typed\n\t escapes, \\n"),
+    ("null", "null"),
+])
+def test_prompt_and_stop_are_taken_as_typed(typed, meant):
+    """What the shell hands over is the text, not Hydra's grammar; a typed \n or \t is a newline
+    or a tab, \\ a backslash."""
+    cfg = compose(*quote_literal_options([f"prompt={typed}", f"stop={typed}"]), config_name="generate")
+    assert (cfg.prompt, cfg.stop) == (meant, meant)
+
+
+def test_a_prompt_with_commas_quotes_and_newlines_on_the_command_line(tiny_ckpt):
+    result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=To be, or not to be:\nthat's it", "stop=\n\n",
+                          "max_new_tokens=5", "temperature=0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("To be, or not to be:\nthat's it")
 
 
 def test_cli_bad_checkpoints(tiny_ckpt, tmp_path):

@@ -56,13 +56,14 @@ def test_resume_with_another_model_names_the_field(tiny_run, tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
-    train(compose(*tiny_run, "train.max_iters=6"), tmp_path)
-    good = checkpoint.load(tmp_path).model
+    train(compose(*tiny_run, "train.max_iters=6"), tmp_path / "a")
+    good = checkpoint.load(tmp_path / "a").model
     with pytest.raises(FloatingPointError, match="loss is (nan|inf).*last good checkpoint"):
-        train(compose(*tiny_run, f"train.resume={tmp_path}", "train.lr=1e30", "train.min_lr=1e30",
-                      "train.grad_clip=0", "train.eval_interval=1"), tmp_path)
-    kept = checkpoint.load(tmp_path)
-    assert kept.step == 6 and all(torch.equal(good[k], kept.model[k]) for k in good)
+        train(compose(*tiny_run, f"train.resume={tmp_path / 'a'}", "train.lr=1e30", "train.min_lr=1e30",
+                      "train.grad_clip=0", "train.eval_interval=1"), tmp_path / "b")
+    for run in ("a", "b"):
+        kept = checkpoint.load(tmp_path / run)
+        assert kept.step == 6 and all(torch.equal(good[k], kept.model[k]) for k in good)
 
 
 def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
@@ -89,20 +90,57 @@ def test_a_missing_resume_checkpoint_names_the_option(tiny_run, tmp_path):
         train(compose(*tiny_run, "init_from=/nonexistent/run.pt"), tmp_path)
 
 
-@pytest.mark.slow
-def test_sigterm_saves_and_exits_cleanly(tiny_run, tmp_path):
+def start_training(tiny_run, run_dir, *overrides) -> subprocess.Popen:
+    """`python train.py` in the background, returned once it has taken 3 steps."""
     proc = subprocess.Popen([sys.executable, "train.py", *tiny_run, "train.max_iters=100000",
-                             "train.eval_interval=100000", f"hydra.run.dir={tmp_path}"],
+                             "train.eval_interval=100000", f"hydra.run.dir={run_dir}", *overrides],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=clean_env())
-    for line in proc.stdout:  # wait until it is training
+    for line in proc.stdout:
         if line.startswith("step 3/"):
-            break
-    proc.send_signal(signal.SIGTERM)
+            return proc
+    raise AssertionError(proc.communicate()[1][-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run, tmp_path, sig, code):
+    run_dir = tmp_path / "run"
+    proc = start_training(tiny_run, run_dir, "model.n_layer=1", "train.lr=5e-3")  # not the defaults
+    proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    assert "SIGTERM: saved" in out and "Traceback" not in err
-    assert checkpoint.load(tmp_path).step >= 3
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    hint = out.split("continue with: ")[1].split()
+    assert hint == ["python", "train.py", f"train.resume={run_dir}"]
+    step = checkpoint.load(run_dir).step
+    assert step >= 3
+
+    # the hint alone, with a longer run allowed: the saved config comes back (1 layer, lr 5e-3)
+    resumed = run_cli(*hint[1:], f"train.max_iters={step + 2}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ckpt = checkpoint.load(tmp_path / "resumed")
+    assert ckpt.step == step + 2 and ckpt.model_config.n_layer == 1 and ckpt.config["train"]["lr"] == 5e-3
+    assert "changed here: train.lr_decay_iters, train.max_iters" in resumed.stdout
+    # an override that changes the model is refused by name
+    other = run_cli(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
+    assert_one_line_error(other, f"train.resume={run_dir}: its model has model.n_layer=1 but this run "
+                                 f"asks for 2")
+
+
+@pytest.mark.slow
+def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tmp_path):
+    first = start_training(tiny_run, tmp_path)
+    second = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    first.send_signal(signal.SIGINT)
+    first.communicate(timeout=60)
+    assert_one_line_error(second, f"hydra.run.dir={tmp_path} is in use: another process is training there")
+
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    third = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
+                                 f"would overwrite: continue it with train.resume={tmp_path}")
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
