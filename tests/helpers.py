@@ -29,6 +29,18 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
     return GPT(tiny_config(**overrides)).eval()
 
 
+def hf_gpt2(path, **overrides):
+    """A small random GPT-2 written to `path` by transformers' save_pretrained."""
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=97, n_positions=48, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+              eos_token_id=0, layer_norm_epsilon=1e-5)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**(kw | overrides))).eval()
+    model.save_pretrained(path)
+    return model
+
+
 def compose(*overrides: str, config_name: str = "train"):
     """The real Hydra config, as the command line would build it (its schemas registered)."""
     from hydra import compose as hydra_compose

@@ -5,20 +5,10 @@ import pytest
 import torch
 
 from model import GPT, checkpoint
-from tests.helpers import compose, run_cli
+from tests.helpers import compose, hf_gpt2, run_cli
 from train import train
 
 transformers = pytest.importorskip("transformers")
-
-
-def hf_gpt2(tmp_path, **overrides):
-    """A small random GPT-2 written by transformers' save_pretrained."""
-    torch.manual_seed(0)
-    kw = dict(vocab_size=97, n_positions=48, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
-              eos_token_id=0, layer_norm_epsilon=1e-5)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**(kw | overrides))).eval()
-    model.save_pretrained(tmp_path)
-    return model
 
 
 def test_logits_match_transformers(tmp_path):
