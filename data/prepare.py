@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,21 +140,23 @@ def prepare(cfg: DataConfig) -> Path:
 
 def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: str, out_dir: Path):
     """Tokenize and split the corpus into out_dir: train.npy, val.npy and meta.json."""
-    from datasets import Dataset, load_dataset  # slow to import: only when there is work
+    import datasets  # slow to import: only when there is work
 
-    corpus = load_dataset("text", data_files={"corpus": [str(f) for f in files]},
-                          sample_by="document", keep_linebreaks=True,
-                          cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
+    with quiet(datasets):
+        corpus = datasets.load_dataset("text", data_files={"corpus": [str(f) for f in files]},
+                                       sample_by="document", keep_linebreaks=True,
+                                       cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
     text = "".join(corpus["text"])
     if not text:
         raise ValueError(f"data.path: the corpus is empty: {', '.join(map(str, files))}")
     tokenizer = CharTokenizer.from_text(text) if cfg.tokenizer == "char" else BPETokenizer()
 
     cut = int(len(text) * (1 - cfg.val_fraction))  # first 90% of the characters train
-    parts = Dataset.from_dict({"split": ["train", "val"], "text": [text[:cut], text[cut:]]})
-    parts = parts.map(lambda batch: {"ids": [tokenizer.encode(t) for t in batch["text"]]},
-                      batched=True, remove_columns=["text"], keep_in_memory=True,
-                      new_fingerprint=f"{key}-tokens")
+    parts = datasets.Dataset.from_dict({"split": ["train", "val"], "text": [text[:cut], text[cut:]]})
+    with quiet(datasets):
+        parts = parts.map(lambda batch: {"ids": [tokenizer.encode(t) for t in batch["text"]]},
+                          batched=True, remove_columns=["text"], keep_in_memory=True,
+                          new_fingerprint=f"{key}-tokens")
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
     counts = {}
     for row in parts:
@@ -172,6 +175,18 @@ def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: 
         "version": FORMAT_VERSION,
     }
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+@contextmanager
+def quiet(datasets):
+    """Without `datasets`' progress bars, which count to 1 or 2 here (noise on every first run)."""
+    was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
 
 
 def load_prepared(prepared_dir: Path):

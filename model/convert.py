@@ -43,10 +43,17 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
     """Read our checkpoint `src` (a run dir's best.pt, or a file), write the converted one to
     `out`; returns the old and new model configs."""
+    out = Path(out).expanduser()
+    if out.exists():
+        example = out / "converted.pt" if out.is_dir() else out.with_name(f"{out.stem}_converted.pt")
+        raise FileExistsError(f"--out {out} already exists (nothing is overwritten): give a new file "
+                              f"name, e.g. --out {example}")
     ckpt = checkpoint.load(src, prefer="best.pt", option="ckpt")
     weights, new_config = mean_pool_kv(ckpt.model, ckpt.model_config, n_kv_head)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise type(e)(f"--out {out}: cannot create {out.parent}: {e.strerror or e}") from e
     checkpoint.save(out, Checkpoint(
         model=weights, model_config=new_config, data_meta=ckpt.data_meta, config=ckpt.config,
         converted_from={"path": str(src), "n_kv_head": ckpt.model_config.n_kv_head}))

@@ -71,5 +71,5 @@ def test_convert_command_errors_are_one_line(tiny_ckpt, tmp_path):
     assert_one_line_error(convert("3", tmp_path / "a.pt"), "n_kv_head")
     (tmp_path / "folder.pt").mkdir()
     result = convert("2", tmp_path / "folder.pt")
-    assert_one_line_error(result, "Is a directory")
+    assert_one_line_error(result, f"--out {tmp_path / 'folder.pt'} already exists (nothing is overwritten)")
     assert [p.name for p in tmp_path.iterdir()] == ["folder.pt"]  # nothing written, no temp file left

@@ -2,6 +2,7 @@
 DDP with gloo, sweeps."""
 
 import json
+import resource
 import signal
 import subprocess
 import sys
@@ -141,6 +142,18 @@ def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_ru
     assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
                                  f"would overwrite: continue it with train.resume={tmp_path}")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_temp_file(tiny_run, tmp_path):
+    """Writes past 60 kB fail (RLIMIT_FSIZE, as on a full disk): the first checkpoint (~130 kB)
+    cannot be written."""
+    def small_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    result = subprocess.run([sys.executable, "train.py", *tiny_run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
+                            capture_output=True, text=True, env=clean_env(), preexec_fn=small_disk)
+    assert_one_line_error(result, f"cannot write checkpoint {tmp_path}/best.pt: File too large")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
