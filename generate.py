@@ -10,13 +10,13 @@
 callable from Python; `main` is the Hydra wrapper.
 """
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from data.errors import config_object, run_guarded
+from data.errors import check_command_line, config_object, run_guarded
 from data.tokenizer import tokenizer_from_meta
 from model.checkpoint import check_quantize, latest_run, load_model
 from model.device import check_device, check_dtype
@@ -208,4 +208,5 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     sys.argv = [sys.argv[0], *quote_literal_options(sys.argv[1:])]
+    check_command_line(Path(__file__).parent / "configs", "generate", sys.argv[1:])
     main()

@@ -10,16 +10,16 @@ model and its optimizer, evaluation and logging, then `train(cfg, run_dir)`: the
 from Python. `main` is the Hydra wrapper.
 """
 
+import os
 import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
-    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
 
 import dataclasses
 import json
 import math
-import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data.batches import Batches
-from data.errors import check_keys, config_object, one_line, run_guarded
+from data.errors import check_command_line, check_keys, config_object, one_line, run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
@@ -283,10 +283,17 @@ def print_sample(model: GPT, meta: dict, n_tokens: int, seed: int) -> None:
 @contextmanager
 def stop_requests():
     """Yields a list that SIGINT and SIGTERM append to, which the loop checks after each step:
-    an interrupted run saves a checkpoint and exits cleanly instead of dying mid-write."""
+    an interrupted run saves a checkpoint and exits cleanly instead of dying mid-write. A second
+    signal (a step that takes too long) stops at once, without saving."""
     received = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def request(signum, frame):
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        say(f"{signal.Signals(signum).name}: stopping after this step to save (again: stop now, unsaved)")
+
+    previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield received
     finally:
@@ -504,4 +511,5 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = with_default_experiment(sys.argv)
+    check_command_line(Path(__file__).parent / "configs", "train", sys.argv[1:])
     main()

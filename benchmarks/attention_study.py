@@ -10,6 +10,7 @@ study.md and three PNG plots into the study's run dir (Hydra's output dir).
 """
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import config_object, run_guarded
+from data.errors import check_command_line, config_object, run_guarded
 from model import GPT
 from model.checkpoint import load_model
 from model.convert import convert_checkpoint
@@ -181,4 +182,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line(Path(__file__).parents[1] / "configs", "study", sys.argv[1:])
     main()

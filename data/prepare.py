@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import hydra
 import numpy as np
 from hydra.core.config_store import ConfigStore
 
-from data.errors import config_object, run_guarded
+from data.errors import check_command_line, config_object, run_guarded
 from data.tokenizer import BPETokenizer, CharTokenizer
 
 FORMAT_VERSION = 1
@@ -214,4 +215,5 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    check_command_line(Path(__file__).parents[1] / "configs", "prepare", sys.argv[1:])
     main()

@@ -134,7 +134,8 @@ def load(path, prefer: str = "ckpt.pt", option: str | None = None) -> Checkpoint
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  not torch's, cut short, unsafe: any file may fail in any way
-        raise ValueError(f"{said}cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"{said}cannot read checkpoint {path}: not a kvgpt checkpoint, or a damaged one "
+                         f"(torch.load: {type(e).__name__})") from e
     keys = {f.name for f in dataclasses.fields(Checkpoint)}
     required = {f.name for f in dataclasses.fields(Checkpoint)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}

@@ -6,6 +6,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -127,6 +128,21 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
     other = run_cli(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
     assert_one_line_error(other, f"train.resume={run_dir}: its model has model.n_layer=1 but this run "
                                  f"asks for 2")
+
+
+@pytest.mark.parametrize("script, after_s", [("train.py", 0.5), ("train.py", 2.5), ("generate.py", 1.5)])
+def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_s):
+    """Ctrl-C while the imports load, Hydra composes or the data is read: exit 130, no traceback.
+    (SIGINT's default action is restored in the child: a background shell may have ignored it.)"""
+    args = {"train.py": [f"hydra.run.dir={tmp_path}"],
+            "generate.py": [f"ckpt={tiny_ckpt}", "max_new_tokens=100000"]}
+    proc = subprocess.Popen([sys.executable, script, *args[script]], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(after_s)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
 
 
 @pytest.mark.slow
