@@ -26,6 +26,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from data.errors import check_command_line, config_object, run_guarded
+from data.prepare import read_text_files
 from data.tokenizer import tokenizer_from_meta
 from model.checkpoint import check_quantize, latest_run, load_model
 from model.device import check_device, check_dtype
@@ -114,7 +115,7 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
         path = Path(cfg.prompt_file).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"prompt_file not found: {path}")
-        prompts = [line for line in path.read_text().splitlines() if line]
+        prompts = [line for line in read_text_files([path], "prompt_file").decode().splitlines() if line]
         if not prompts:
             raise ValueError(f"prompt_file {path} has no prompts")
     else:
@@ -126,6 +127,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     """Generate as cfg says; prints the samples to `out` (stdout by default; a single sample
     streams) and returns their texts."""
     out = out or sys.stdout
+    prompts = read_prompts(cfg)
     source = cfg.ckpt
     if source is None:
         source = latest_run("outputs")
@@ -133,7 +135,6 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     model, ckpt = load_model(source, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device
     tokenizer = tokenizer_from_meta(ckpt.data_meta)
-    prompts = read_prompts(cfg)
     encoded = [tokenizer.encode(p) for p in prompts]
     if cfg.attn_plot:
         ids = encoded[0][-model.config.block_size:]

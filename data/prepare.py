@@ -87,7 +87,7 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     return files
 
 
-def read_corpus(files: list[Path], option: str = "data.path") -> bytes:
+def read_text_files(files: list[Path], option: str = "data.path") -> bytes:
     """The files' bytes, joined; each must be UTF-8 text. The errors name the file and, for a
     binary or non-UTF-8 one, the byte offset where it stops being text."""
     parts = []
@@ -111,7 +111,7 @@ def prepare(cfg: DataConfig) -> Path:
     """Prepare the corpus described by a `data` config; returns the folder of the token arrays.
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
-    source_sha256 = sha256_bytes(read_corpus(files))
+    source_sha256 = sha256_bytes(read_text_files(files))
     expected = BUILT_IN[cfg.name][1] if cfg.path is None else cfg.sha256
     if expected and source_sha256 != expected:
         fix = ("reinstall kvgpt" if cfg.path is None

@@ -86,18 +86,24 @@ class GPT(nn.Module):
         if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
             raise ValueError(f"{path} is not a Hugging Face GPT-2 directory "
                              f"(config.json and model.safetensors)")
-        hf = json.loads((path / "config.json").read_text())
+        try:
+            hf = json.loads((path / "config.json").read_text())
+            sizes = {"vocab_size": hf["vocab_size"], "block_size": hf["n_positions"],
+                     "n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"]}
+        except (ValueError, KeyError, TypeError) as e:  # not JSON, a key missing, not a dict
+            raise ValueError(f"{path / 'config.json'} is not a GPT-2 config ({type(e).__name__}: {e})") from e
         supported = {"activation_function": "gelu_new", "n_inner": None, "scale_attn_weights": True,
                      "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
                      "tie_word_embeddings": True}
         for field, value in supported.items():
             if hf.get(field, value) != value:
                 raise ValueError(f"unsupported GPT-2 config: {field}={hf[field]!r} (supported: {value!r})")
-        config = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"],
-                           n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                           norm_eps=hf.get("layer_norm_epsilon", 1e-5), dropout=dropout)
+        config = GPTConfig(**sizes, norm_eps=hf.get("layer_norm_epsilon", 1e-5), dropout=dropout)
         model = cls(config)
-        weights = load_file(path / "model.safetensors")
+        try:
+            weights = load_file(path / "model.safetensors")
+        except Exception as e:  # noqa: BLE001  safetensors' own error for a damaged file, or an OSError
+            raise ValueError(f"{path / 'model.safetensors'} cannot be read ({type(e).__name__}: {e})") from e
         weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
         renames = {"ln_1": "norm_1", "ln_2": "norm_2", "attn.c_attn": "attn.qkv",
                    "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
@@ -112,7 +118,11 @@ class GPT(nn.Module):
             is_conv1d = name.endswith(".weight") and any(f".{n}." in name for n in renames.values()
                                                           if "norm" not in n)
             state[name] = tensor.t() if is_conv1d else tensor
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(state, strict=False)
+        except RuntimeError as e:  # a tensor whose shape config.json does not give
+            raise ValueError(f"{path}: weights do not match its config.json "
+                             f"({str(e).strip().splitlines()[-1].strip()})") from e
         missing = [k for k in missing if k != "lm_head.weight"]
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not match GPT-2 (missing {missing[:3]}, "

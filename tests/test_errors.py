@@ -52,6 +52,7 @@ BAD_INPUTS = [
     (["generate.py", "ckpt={file}"], "ckpt: cannot read checkpoint"),
     (["generate.py", "ckpt={tmp}"], "ckpt: no checkpoint (ckpt.pt or best.pt) in"),
     (["generate.py"], "ckpt is not set and outputs/ holds no run"),
+    (["generate.py", "prompt_file={file}"], "prompt_file: {file} is not UTF-8 text: byte 0xff at offset 4"),
     (["-m", "data.prepare", "data.path={file}"], "is not UTF-8 text"),
     (["-m", "model.convert", "{tmp}", "--n-kv-head", "2", "--out", "{tmp}"], "already exists (nothing is"),
 ]
@@ -65,6 +66,7 @@ def test_bad_input_is_one_line_naming_what_to_fix(args, message, tmp_path):
     args = [a.format(tmp=tmp_path, file=tmp_path / "file") for a in args]
     if args[0] == "train.py" and not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={tmp_path / 'run'}")
+    message = message.format(tmp=tmp_path, file=tmp_path / "file")
     assert_one_line_error(run_cli(*args, cwd=tmp_path, env={"HOME": str(home)}), message)
 
 

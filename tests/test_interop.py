@@ -61,3 +61,18 @@ def test_init_from_a_hugging_face_directory(tmp_path):
     idx = torch.randint(0, 97, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("config.json:{not json", r"config.json is not a GPT-2 config \(JSONDecodeError"),
+    ('config.json:{"n_layer": 2}', r"config.json is not a GPT-2 config \(KeyError"),
+    ("model.safetensors:garbage", r"model.safetensors cannot be read"),
+    ('config.json:{"vocab_size": 97, "n_positions": 48, "n_embd": 64, "n_layer": 2, "n_head": 4}',
+     r"weights do not match its config.json"),
+])
+def test_a_damaged_hugging_face_directory_is_a_value_error_naming_the_file(tmp_path, damage, message):
+    hf_gpt2(tmp_path)
+    name, content = damage.split(":", 1)
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_pretrained(tmp_path)
