@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
 import re
 from dataclasses import dataclass
@@ -90,7 +90,7 @@ def quote_literal_options(argv: list[str]) -> list[str]:
     brackets, `${` and newlines are text (Hydra's grammar would reject or interpret them); a typed
     \\n or \\t is a newline or a tab."""
     def quoted(value: str) -> str:  # in Hydra's quoted strings, \ escapes only before ' and ${
-        escaped = re.sub(r"(\\*)('|\$\{|$)",
+        escaped = re.sub(r"(\\*)('|\$\{|\Z)",
                          lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
         return f"'{escaped}'"
 

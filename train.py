@@ -14,8 +14,8 @@ import os
 import signal
 import sys
 
-if __name__ == "__main__":  # Ctrl-C while the imports below load (seconds): exit 130, quietly
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
 import dataclasses
 import json
@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from data.batches import Batches
 from data.errors import check_command_line, check_keys, config_object, one_line, run_guarded
-from data.prepare import DataConfig, load_prepared, prepare
+from data.prepare import DataConfig, corpus_files, load_prepared, prepare
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
@@ -291,9 +291,12 @@ def stop_requests():
         if received:
             raise KeyboardInterrupt
         received.append(signum)
-        say(f"{signal.Signals(signum).name}: stopping after this step to save (again: stop now, unsaved)")
+        if int(os.environ.get("RANK", 0)) == 0:  # os.write: print() may be mid-write, not reentrant
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save (again: "
+                        f"stop now, unsaved)\n".encode())
 
-    previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signals = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, request) for sig in signals}  # an ignored SIGINT stays ignored
     try:
         yield received
     finally:
@@ -311,13 +314,18 @@ def train(cfg: DictConfig, run_dir) -> dict:
     model_config(cfg.model, vocab_size=1)  # the model options' ranges, checked before any work
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
+    corpus_files(dcfg)  # the corpus's files exist
     resume = None
     if tcfg.resume:
         resume = checkpoint.load(tcfg.resume, option="train.resume")
         checkpoint.remove_stale_temp_files(checkpoint.find(tcfg.resume).parent)
+        checkpoint.check_resumable(resume, model_config(cfg.model, resume.model_config.vocab_size),
+                                   f"train.resume={tcfg.resume}")
         if resume.step > tcfg.max_iters:
             raise ValueError(f"train.max_iters={tcfg.max_iters} is below the step train.resume reached "
                              f"({resume.step}): set train.max_iters={resume.step} or more")
+    elif cfg.init_from:
+        checkpoint.check_init_from(cfg.init_from)
     rank, world_size, device = init_distributed(tcfg.device)
     run_dir = checkpoint.claim_run_dir(run_dir) if rank == 0 else Path(run_dir)
     try:
@@ -410,6 +418,11 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
                        if device.type == "cuda" else None)
                 log.training_step(run.step, loss_value, lr, tokens_per_s, mfu)
             log.bar.update(1)
+            if world_size > 1:  # all ranks stop after the same step, or one would wait forever
+                stopping = torch.tensor(float(bool(stop)), device=device)
+                dist.all_reduce(stopping)
+                if stopping.item() and not stop:
+                    stop.append(signal.SIGTERM)
             if stop:
                 break
     log.close()
@@ -439,25 +452,30 @@ AUTO_RECIPES = {
 def with_default_experiment(argv: list[str]) -> list[str]:
     """Without experiment=..., pick the recipe for this machine and say so (not when resuming:
     a resumed run continues with its own config)."""
-    if any(a.lstrip("+").startswith(("experiment=", "train.resume=")) for a in argv[1:]):
+    given = dict(a.lstrip("+").partition("=")[::2] for a in argv[1:])
+    if "experiment" in given or given.get("train.resume") not in (None, "", "null"):
         return argv
     recipe, why = AUTO_RECIPES[torch.cuda.is_available()]
     print(f"recipe: experiment={recipe} ({why}); choose another with experiment=...", flush=True)
     return [*argv, f"experiment={recipe}"]
 
 
+# What a resumed run takes from this machine, not from the checkpoint: where things are and run.
+MACHINE_KEYS = ("data.cache_dir", "train.device", "train.compile", "wandb.mode")
+ABSENT = object()
+
+
 def resume_config(cfg: DictConfig, saved: dict, changed: set[str]) -> DictConfig:
     """The config a resumed run continues with: the one saved in its checkpoint, except the keys
-    in `changed` (those the command line set), which keep cfg's values. A key the saved config
-    lacks (an older checkpoint) keeps cfg's value too; a changed model is refused later, by name."""
+    in `changed` (those the command line set) and MACHINE_KEYS, which keep cfg's values. A key the
+    saved config lacks (an older checkpoint) keeps cfg's value too; a changed model is refused
+    later, by name. Saved values are resolved: lr_decay_iters stays as saved unless typed."""
     cfg = cfg.copy()
     for key, value in flat(saved).items():
-        if key not in changed and OmegaConf.select(cfg, key, default=ABSENT) is not ABSENT:
+        if (key not in changed and key not in MACHINE_KEYS
+                and OmegaConf.select(cfg, key, default=ABSENT) is not ABSENT):
             OmegaConf.update(cfg, key, value, merge=False)
     return cfg
-
-
-ABSENT = object()
 
 
 def flat(config: dict, prefix: str = "") -> dict:
@@ -472,12 +490,26 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
-    """The config keys the command line's overrides set, directly (train.max_iters=...) or through
-    a group (attention=gqa): those whose value differs from the config composed without them."""
-    baseline = flat(OmegaConf.to_container(hydra.compose(config_name="train"), resolve=True))
-    now = flat(OmegaConf.to_container(cfg, resolve=True))
-    typed = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return {key for key in now if now[key] != baseline.get(key, ABSENT) or key in typed}
+    """The config keys the command line's overrides set: those typed (train.max_iters=...), and
+    every key a typed group option sets (attention=gqa sets model.n_kv_head), even to the value
+    it already had: the keys whose YAML value differs with and without that group."""
+    changed, leaves = set(), flat_unresolved(cfg)
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in leaves:  # a value: train.max_iters=4000, init_from=...
+            changed.add(key)
+            continue
+        with_option = flat_unresolved(hydra.compose(config_name="train", overrides=[override]))  # a group
+        try:
+            without = flat_unresolved(hydra.compose(config_name="train", overrides=[f"~{key}"]))
+        except Exception:  # noqa: BLE001  a group Hydra cannot drop: compare with the defaults
+            without = flat_unresolved(hydra.compose(config_name="train"))
+        changed |= {k for k, v in with_option.items() if v != without.get(k, ABSENT)}
+    return changed
+
+
+def flat_unresolved(cfg: DictConfig) -> dict:
+    return flat(OmegaConf.to_container(cfg, resolve=False))
 
 
 def command_line_train(cfg: DictConfig, run_dir: str) -> dict:
@@ -495,11 +527,15 @@ def command_line_train(cfg: DictConfig, run_dir: str) -> dict:
 class RunDirGuard(Callback):
     """Claims the run dir (checkpoint.claim_run_dir) before Hydra writes its .hydra/ there, so a
     run into a folder that holds another run, or one another process trains in, is refused
-    before it changes anything. Rank 0 only: under torchrun the other ranks write nothing."""
+    before it changes anything. Rank 0 only: under torchrun the other ranks write nothing there
+    (their .hydra/ and log file are turned off below)."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         if int(os.environ.get("RANK", 0)) == 0:
-            run_guarded(checkpoint.claim_run_dir, config.hydra.run.dir)
+            try:
+                checkpoint.claim_run_dir(config.hydra.run.dir)
+            except (OSError, ValueError) as e:  # exit here: Hydra only warns about a callback's error
+                sys.exit(f"error: {one_line(e)}")
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
@@ -511,5 +547,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = with_default_experiment(sys.argv)
+    if int(os.environ.get("RANK", 0)) > 0:  # under torchrun only rank 0 writes to the run dir
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     check_command_line(Path(__file__).parent / "configs", "train", sys.argv[1:])
     main()

@@ -43,8 +43,10 @@ def raised_inside_torch(error: BaseException) -> bool:
 def run_guarded(fn, *args, **kwargs):
     """fn(*args, **kwargs); a user error ends the process with one line and exit code 1, Ctrl-C
     with exit code 130 and no traceback (after the `finally` blocks that clean up have run)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # not the scripts' import-time exit
+    previous = signal.getsignal(signal.SIGINT)
+    replace = threading.current_thread() is threading.main_thread() and previous not in (signal.SIG_IGN, None)
+    if replace:  # Ctrl-C raises KeyboardInterrupt again (not the scripts' import-time exit): cleanup runs
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return fn(*args, **kwargs)
     except KeyboardInterrupt:  # Ctrl-C before a run's own handler is in place: end quietly
@@ -54,6 +56,9 @@ def run_guarded(fn, *args, **kwargs):
         if bug or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         sys.exit(f"error: {one_line(e)}")
+    finally:
+        if replace:
+            signal.signal(signal.SIGINT, previous)
 
 
 def check_command_line(config_dir, config_name: str, overrides: list[str]) -> None:

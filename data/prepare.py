@@ -43,7 +43,7 @@ class DataConfig:
     name: str = "shakespeare"  # names the prepared folder; shakespeare is also a built-in corpus
     tokenizer: str = "char"
     path: Any = None  # a file, a list of files or a glob; None: the built-in corpus `name`
-    sha256: str | None = TINYSHAKESPEARE_SHA256  # of the corpus: a file that does not match is never used
+    sha256: str | None = None  # of data.path's files: a corpus that does not match is never used
     cache_dir: str = "~/.cache/kvgpt"
     val_fraction: float = 0.1
     on_device: bool = True  # keep the token arrays on the training device
@@ -128,8 +128,9 @@ def prepare(cfg: DataConfig) -> Path:
         tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
     except OSError as e:
         raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
+    bpe = BPETokenizer() if cfg.tokenizer == "bpe" else None  # its errors are not the cache's
     try:
-        write_prepared(cfg, files, source_sha256, key, tmp_dir)
+        write_prepared(cfg, files, source_sha256, key, tmp_dir, bpe)
         os.replace(tmp_dir, out_dir)
     except OSError as e:
         if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
@@ -139,8 +140,10 @@ def prepare(cfg: DataConfig) -> Path:
     return out_dir
 
 
-def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: str, out_dir: Path):
-    """Tokenize and split the corpus into out_dir: train.npy, val.npy and meta.json."""
+def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: str, out_dir: Path,
+                   bpe: BPETokenizer | None):
+    """Tokenize and split the corpus into out_dir: train.npy, val.npy and meta.json (with `bpe`,
+    else a char tokenizer built from the text)."""
     import datasets  # slow to import: only when there is work
 
     with quiet(datasets):
@@ -150,7 +153,7 @@ def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: 
     text = "".join(corpus["text"])
     if not text:
         raise ValueError(f"data.path: the corpus is empty: {', '.join(map(str, files))}")
-    tokenizer = CharTokenizer.from_text(text) if cfg.tokenizer == "char" else BPETokenizer()
+    tokenizer = bpe or CharTokenizer.from_text(text)
 
     cut = int(len(text) * (1 - cfg.val_fraction))  # first 90% of the characters train
     parts = datasets.Dataset.from_dict({"split": ["train", "val"], "text": [text[:cut], text[cut:]]})

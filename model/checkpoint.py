@@ -182,6 +182,7 @@ def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
     run_dir = Path(run_dir).expanduser().resolve()
     if run_dir in held_run_dirs:
         return run_dir
+    check_holds_no_run(run_dir, option)  # before anything is created there, a lock file included
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
@@ -191,20 +192,42 @@ def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
         os.close(fd)
         raise ValueError(f"{option}={run_dir} is in use: another process is training there; "
                          f"write this run to another {option}")
-    if found := [name for name in RUN_MARKERS if (run_dir / name).exists()]:
+    try:
+        check_holds_no_run(run_dir, option)  # again: a run may have finished there meanwhile
+    except (FileExistsError, ValueError):
         os.close(fd)
-        raise FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
-                              f"overwrite: continue it with train.resume={run_dir}, or write to another "
-                              f"{option}")
+        raise
     remove_stale_temp_files(run_dir, locked=True)
     held_run_dirs[run_dir] = fd
     return run_dir
+
+
+def check_holds_no_run(run_dir: Path, option: str) -> None:
+    if found := [name for name in RUN_MARKERS if (run_dir / name).exists()]:
+        if in_use(run_dir):
+            raise ValueError(f"{option}={run_dir} is in use: another process is training there; "
+                             f"write this run to another {option}")
+        raise FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
+                              f"overwrite: continue it with train.resume={run_dir}, or write to another "
+                              f"{option}")
 
 
 def release_run_dir(run_dir) -> None:
     fd = held_run_dirs.pop(Path(run_dir).expanduser().resolve(), None)
     if fd is not None:
         os.close(fd)  # which releases the lock
+
+
+def in_use(run_dir: Path) -> bool:
+    """Whether a live process holds run_dir's lock."""
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:  # no lock file: no process of ours trains there
+        return False
+    try:
+        return not lock(fd)
+    finally:
+        os.close(fd)
 
 
 def lock(fd: int) -> bool:
@@ -221,26 +244,28 @@ def lock(fd: int) -> bool:
 
 def remove_stale_temp_files(run_dir, locked: bool = False) -> list[Path]:
     """Delete the `.ckpt.pt.*` / `.best.pt.*` temp files of saves that never finished (the
-    process was killed), unless a live process holds run_dir's lock and may be writing them."""
+    process was killed). Only in a run dir of ours (it has a lock file) and only while holding
+    its lock (`locked`: the caller holds it), so no live process is writing them."""
     run_dir = Path(run_dir)
     temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
-    if not temps or not (locked or not_in_use(run_dir)):
+    if not temps or not (run_dir / LOCK_FILE).is_file():
         return []
-    for temp in temps:
-        temp.unlink(missing_ok=True)
-    return temps
-
-
-def not_in_use(run_dir: Path) -> bool:
-    """Whether no process holds run_dir's lock (a folder we cannot lock counts as in use)."""
+    fd = None
+    if not locked:
+        try:
+            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return []
+        if not lock(fd):  # a live process trains there
+            os.close(fd)
+            return []
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # no lock file: no process of ours ever trained here
-        return not (run_dir / LOCK_FILE).exists()
-    try:
-        return lock(fd)
+        for temp in temps:
+            temp.unlink(missing_ok=True)
     finally:
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
+    return temps
 
 
 def latest_run(root="outputs") -> Path:
@@ -318,6 +343,14 @@ def load_model(path, device="auto", dtype: str = "float32", quantize: str | None
 def check_quantize(quantize: str | None) -> None:
     if quantize not in (None, "int8"):
         raise ValueError(f"quantize must be null or int8, got {quantize!r}")
+
+
+def check_init_from(path) -> None:
+    """init_from names a Hugging Face GPT-2 directory or one of our checkpoints (checked before a
+    run does any work; init_from reads it)."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        find(path, prefer="best.pt", option="init_from")
 
 
 def init_from(path) -> tuple[GPTConfig, dict]:

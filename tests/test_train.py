@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from model import checkpoint
 from tests.helpers import ROOT, assert_one_line_error, clean_env, compose, read_metrics, run_cli
-from train import lr_at, train
+from train import changed_on_command_line, lr_at, resume_config, train
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
@@ -92,12 +93,37 @@ def test_a_missing_resume_checkpoint_names_the_option(tiny_run, tmp_path):
         train(compose(*tiny_run, "init_from=/nonexistent/run.pt"), tmp_path)
 
 
+def default_sigint():
+    """In a child: SIGINT's default action, as a terminal gives it (a background shell, which may
+    run these tests, ignores SIGINT, and its children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_resume_takes_the_saved_config_but_what_the_command_line_set():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    overrides = ["attention=mha", "train.max_iters=5", "data.cache_dir=/here"]
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        cfg = hydra_compose("train", overrides=overrides)
+        changed = changed_on_command_line(cfg, overrides)
+    # attention=mha is the default, yet it sets model.n_kv_head; lr_decay_iters only follows max_iters
+    assert changed == {"model.n_kv_head", "train.max_iters", "data.cache_dir"}
+    saved = OmegaConf.to_container(cfg, resolve=True)
+    saved["model"] |= {"n_kv_head": 2, "n_layer": 7}
+    saved["train"] |= {"lr": 0.5, "lr_decay_iters": 100, "max_iters": 100, "device": "cuda:3"}
+    resumed = resume_config(cfg, saved, changed)
+    assert (resumed.model.n_layer, resumed.train.lr, resumed.train.lr_decay_iters) == (7, 0.5, 100)
+    assert (resumed.model.n_kv_head, resumed.train.max_iters) == (resumed.model.n_head, 5)
+    assert (resumed.train.device, resumed.data.cache_dir) == ("auto", "/here")  # this machine's
+
+
 def start_training(tiny_run, run_dir, *overrides) -> subprocess.Popen:
     """`python train.py` in the background, returned once it has taken 3 steps."""
     proc = subprocess.Popen([sys.executable, "train.py", *tiny_run, "train.max_iters=100000",
                              "train.eval_interval=100000", f"hydra.run.dir={run_dir}", *overrides],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env())
+                            env=clean_env(), preexec_fn=default_sigint)
     for line in proc.stdout:
         if line.startswith("step 3/"):
             return proc
@@ -123,7 +149,7 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     ckpt = checkpoint.load(tmp_path / "resumed")
     assert ckpt.step == step + 2 and ckpt.model_config.n_layer == 1 and ckpt.config["train"]["lr"] == 5e-3
-    assert "changed here: train.lr_decay_iters, train.max_iters" in resumed.stdout
+    assert "changed here: train.max_iters" in resumed.stdout
     # an override that changes the model is refused by name
     other = run_cli(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
     assert_one_line_error(other, f"train.resume={run_dir}: its model has model.n_layer=1 but this run "
@@ -132,13 +158,11 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
 
 @pytest.mark.parametrize("script, after_s", [("train.py", 0.5), ("train.py", 2.5), ("generate.py", 1.5)])
 def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_s):
-    """Ctrl-C while the imports load, Hydra composes or the data is read: exit 130, no traceback.
-    (SIGINT's default action is restored in the child: a background shell may have ignored it.)"""
+    """Ctrl-C while the imports load, Hydra composes or the data is read: exit 130, no traceback."""
     args = {"train.py": [f"hydra.run.dir={tmp_path}"],
             "generate.py": [f"ckpt={tiny_ckpt}", "max_new_tokens=100000"]}
     proc = subprocess.Popen([sys.executable, script, *args[script]], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=clean_env(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, text=True, env=clean_env(), preexec_fn=default_sigint)
     time.sleep(after_s)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
