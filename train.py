@@ -537,6 +537,14 @@ class RunDirGuard(Callback):
             except (OSError, ValueError) as e:  # exit here: Hydra only warns about a callback's error
                 sys.exit(f"error: {one_line(e)}")
 
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        """A sweep's jobs get their own run dirs; a sweep folder that already holds runs is refused
+        (each job's claim would refuse too, but only after Hydra rewrote its .hydra/)."""
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if found := next((p for name in checkpoint.RUN_MARKERS for p in sweep_dir.rglob(name)), None):
+            sys.exit(f"error: hydra.sweep.dir={sweep_dir} already holds runs ({found}): write this sweep "
+                     f"to another hydra.sweep.dir")
+
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:

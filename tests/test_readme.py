@@ -40,7 +40,10 @@ def tiny(command: str, run: str, hf_dir: str) -> str:
     command = (command.replace("outputs/2026-11-21/10-00-00", run).replace("ckpt=...", f"ckpt={run}")
                .replace("outputs/mha_run", run).replace("path/to/gpt2", hf_dir))
     script = re.search(r"(train\.py|generate\.py|benchmarks/attention_study\.py)", command)
-    return " ".join([command, *map(shlex.quote, APPENDED[script.group(1)] if script else [])])
+    appended = APPENDED[script.group(1)] if script else []
+    if "train.resume=" in command:  # a resumed run keeps its model: model=tiny would change it
+        appended = [o for o in appended if not o.startswith("model=")]
+    return " ".join([command, *map(shlex.quote, appended)])
 
 
 def test_the_readme_lists_the_commands_this_test_runs():

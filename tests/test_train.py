@@ -242,3 +242,5 @@ def test_multirun_sweeps_the_three_variants(tiny_run, tmp_path):
     assert len(runs) == 3 and all(any(v in r for r in runs) for v in ("mha", "gqa", "mqa"))
     kv_heads = {checkpoint.load(tmp_path / r).model_config.n_kv_head for r in runs}
     assert kv_heads == {4, 2, 1}
+    again = run_cli("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
+    assert_one_line_error(again, f"hydra.sweep.dir={tmp_path} already holds runs")
