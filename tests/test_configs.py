@@ -73,7 +73,9 @@ def test_nanogpt_recipes():
     ("train.max_iters=-5", "train.max_iters"), ("train.min_lr=-1", "train.min_lr"),
     ("train.lr=0", "train.lr"), ("train.beta2=1.0", "train.beta2"), ("train.dtype=float16", "train.dtype"),
     ("train.compile=maybe", "train.compile"), ("train.compile=1", "train.compile"),
-    ("data.val_fraction=1.5", "data.val_fraction"),
+    ("data.val_fraction=1.5", "data.val_fraction"), ("train.min_lr=0.5", "train.min_lr"),
+    ("train.lr=nan", "train.lr"), ("train.device=mps", "train.device"),
+    ("train.device=cuda:x", "train.device"),
     ("data.tokenizer=words", "data.tokenizer"),
 ])
 def test_out_of_range_values_name_the_field(override, field):

@@ -64,13 +64,9 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["prompt='Zé'"], "not in this model's vocabulary: 'é'"),
     (["prompt="], "the prompt is empty"),
     (["attn_plot=/nonexistent/a.png"], "attn_plot=/nonexistent/a.png: the folder /nonexistent does not"),
-    (["max_new_tokens=-1"], "max_new_tokens must be >= 0"),
-    (["top_p=1.5"], "top_p must be in (0, 1]"),
-    (["top_p=0"], "top_p must be in (0, 1]"),
     (["top_k=0"], "top_k must be >= 1"),
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
-    (["device=mps"], "device='mps' is not one of auto, cpu, cuda"),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
