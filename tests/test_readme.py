@@ -16,7 +16,7 @@ TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train
                  "train.compile=false"]
 APPENDED = {  # what each command line gets appended (last wins in Hydra's overrides)
     "train.py": TINY_TRAINING,
-    "benchmarks/attention_study.py": [*TINY_TRAINING, "study.uptrain_iters=2",
+    "benchmarks/attention_study.py": [*TINY_TRAINING, "study.variants=[mha]", "study.uptrain_iters=2",
                                       "study.decode_batch_sizes=[1,2]"],
     "generate.py": ["max_new_tokens=8"],
 }

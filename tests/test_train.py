@@ -143,6 +143,8 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
     assert hint == ["python", "train.py", f"train.resume={run_dir}"]
     step = checkpoint.load(run_dir).step
     assert step >= 3
+    if sig == signal.SIGTERM:
+        return  # the hint is the same; following it once (below) is enough
 
     # the hint alone, with a longer run allowed: the saved config comes back (1 layer, lr 5e-3)
     resumed = run_cli(*hint[1:], f"train.max_iters={step + 2}", f"hydra.run.dir={tmp_path / 'resumed'}")
