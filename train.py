@@ -306,18 +306,17 @@ def stop_requests():
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: DictConfig, run_dir) -> dict:
+def train(cfg: DictConfig, run_dir, resume: Checkpoint | None = None) -> dict:
     """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir, which must
     not hold another run (see checkpoint.claim_run_dir). Every option is checked, and a resumed
-    checkpoint read, before any work starts."""
+    checkpoint read (unless the caller has, `resume`), before any work starts."""
     tcfg, dcfg = config_object(cfg.train, "train."), config_object(cfg.data, "data.")
     model_config(cfg.model, vocab_size=1)  # the model options' ranges, checked before any work
     if cfg.wandb.mode not in WANDB_MODES:
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     corpus_files(dcfg)  # the corpus's files exist
-    resume = None
     if tcfg.resume:
-        resume = checkpoint.load(tcfg.resume, option="train.resume")
+        resume = resume or checkpoint.load(tcfg.resume, option="train.resume")
         checkpoint.remove_stale_temp_files(checkpoint.find(tcfg.resume).parent)
         checkpoint.check_resumable(resume, model_config(cfg.model, resume.model_config.vocab_size),
                                    f"train.resume={tcfg.resume}")
@@ -326,6 +325,7 @@ def train(cfg: DictConfig, run_dir) -> dict:
                              f"({resume.step}): set train.max_iters={resume.step} or more")
     elif cfg.init_from:
         checkpoint.check_init_from(cfg.init_from)
+    resume = resume if tcfg.resume else None
     rank, world_size, device = init_distributed(tcfg.device)
     run_dir = checkpoint.claim_run_dir(run_dir) if rank == 0 else Path(run_dir)
     try:
@@ -515,13 +515,14 @@ def flat_unresolved(cfg: DictConfig) -> dict:
 def command_line_train(cfg: DictConfig, run_dir: str) -> dict:
     """train() as `python train.py` runs it: with train.resume, on the checkpoint's own config
     plus what this command line changed."""
+    resume = None
     if cfg.train.resume:
-        saved = checkpoint.load(cfg.train.resume, option="train.resume").config
+        resume = checkpoint.load(cfg.train.resume, option="train.resume")
         changed = changed_on_command_line(cfg, HydraConfig.get().overrides.task)
-        cfg = resume_config(cfg, saved, changed)
+        cfg = resume_config(cfg, resume.config, changed)
         say(f"train.resume: the saved config of {cfg.train.resume}, changed here: "
             f"{', '.join(sorted(changed - {'train.resume'})) or 'nothing'}")
-    return train(cfg, run_dir)
+    return train(cfg, run_dir, resume)
 
 
 class RunDirGuard(Callback):

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,7 +183,8 @@ def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
     run_dir = Path(run_dir).expanduser().resolve()
     if run_dir in held_run_dirs:
         return run_dir
-    check_holds_no_run(run_dir, option)  # before anything is created there, a lock file included
+    if found := run_files(run_dir):  # checked before anything is created there, a lock file included
+        raise in_use_error(run_dir, option) if in_use(run_dir) else holds_run_error(run_dir, found, option)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
@@ -190,44 +192,34 @@ def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
         raise type(e)(f"{option}: cannot write to {run_dir}: {e.strerror or e}") from e
     if not lock(fd):
         os.close(fd)
-        raise ValueError(f"{option}={run_dir} is in use: another process is training there; "
-                         f"write this run to another {option}")
-    try:
-        check_holds_no_run(run_dir, option)  # again: a run may have finished there meanwhile
-    except (FileExistsError, ValueError):
+        raise in_use_error(run_dir, option)
+    if found := run_files(run_dir):  # a run that finished there since the first look
         os.close(fd)
-        raise
-    remove_stale_temp_files(run_dir, locked=True)
+        raise holds_run_error(run_dir, found, option)
+    unlink_temp_files(run_dir)  # ours now: no live process writes them
     held_run_dirs[run_dir] = fd
     return run_dir
 
 
-def check_holds_no_run(run_dir: Path, option: str) -> None:
-    if found := [name for name in RUN_MARKERS if (run_dir / name).exists()]:
-        if in_use(run_dir):
-            raise ValueError(f"{option}={run_dir} is in use: another process is training there; "
-                             f"write this run to another {option}")
-        raise FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
-                              f"overwrite: continue it with train.resume={run_dir}, or write to another "
-                              f"{option}")
+def run_files(run_dir: Path) -> list[str]:
+    return [name for name in RUN_MARKERS if (run_dir / name).exists()]
+
+
+def in_use_error(run_dir: Path, option: str) -> ValueError:
+    return ValueError(f"{option}={run_dir} is in use: another process is training there; "
+                      f"write this run to another {option}")
+
+
+def holds_run_error(run_dir: Path, found: list[str], option: str) -> FileExistsError:
+    return FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
+                           f"overwrite: continue it with train.resume={run_dir}, or write to another "
+                           f"{option}")
 
 
 def release_run_dir(run_dir) -> None:
     fd = held_run_dirs.pop(Path(run_dir).expanduser().resolve(), None)
     if fd is not None:
         os.close(fd)  # which releases the lock
-
-
-def in_use(run_dir: Path) -> bool:
-    """Whether a live process holds run_dir's lock."""
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:  # no lock file: no process of ours trains there
-        return False
-    try:
-        return not lock(fd)
-    finally:
-        os.close(fd)
 
 
 def lock(fd: int) -> bool:
@@ -242,29 +234,39 @@ def lock(fd: int) -> bool:
     return True
 
 
-def remove_stale_temp_files(run_dir, locked: bool = False) -> list[Path]:
-    """Delete the `.ckpt.pt.*` / `.best.pt.*` temp files of saves that never finished (the
-    process was killed). Only in a run dir of ours (it has a lock file) and only while holding
-    its lock (`locked`: the caller holds it), so no live process is writing them."""
-    run_dir = Path(run_dir)
-    temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
-    if not temps or not (run_dir / LOCK_FILE).is_file():
-        return []
-    fd = None
-    if not locked:
-        try:
-            fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-        except OSError:
-            return []
-        if not lock(fd):  # a live process trains there
-            os.close(fd)
-            return []
+@contextmanager
+def lock_if_free(run_dir: Path):
+    """Yields whether this process got run_dir's lock (False: a live process holds it, or there
+    is no lock file: not a run dir of ours); the lock is released on leaving."""
     try:
-        for temp in temps:
-            temp.unlink(missing_ok=True)
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        yield lock(fd)
     finally:
-        if fd is not None:
-            os.close(fd)
+        os.close(fd)
+
+
+def in_use(run_dir: Path) -> bool:
+    """Whether a live process holds run_dir's lock."""
+    with lock_if_free(run_dir) as got:
+        return (run_dir / LOCK_FILE).is_file() and not got
+
+
+def remove_stale_temp_files(run_dir) -> list[Path]:
+    """Delete the temp files of saves that never finished (the process was killed) in a run dir
+    of ours, while holding its lock, so no live process is writing them."""
+    with lock_if_free(Path(run_dir)) as got:
+        return unlink_temp_files(Path(run_dir)) if got else []
+
+
+def unlink_temp_files(run_dir: Path) -> list[Path]:
+    """Delete run_dir's `.ckpt.pt.*` / `.best.pt.*` temp files; the caller holds its lock."""
+    temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
+    for temp in temps:
+        temp.unlink(missing_ok=True)
     return temps
 
 
