@@ -44,6 +44,8 @@ from data.tokenizer import tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
 from model.device import autocast, check_device, init_distributed, main_process_first
+from model.evaluation import estimate_loss, split_loss
+from model.optimizer import check_optimizer, configure_optimizer, load_optimizer_state
 from model.plots import plot_losses
 
 
@@ -58,6 +60,7 @@ class TrainConfig:
     batch_size: int = 12          # sequences per micro-step and process
     grad_accum: int = 1           # micro-steps per optimizer step
     max_iters: int = 2000
+    optimizer: str = "adamw"      # adamw | muon (Muon on the blocks' matrices, AdamW on the rest)
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_iters: int = 100
@@ -68,6 +71,7 @@ class TrainConfig:
     grad_clip: float = 1.0        # 0 disables
     eval_interval: int = 250
     eval_iters: int = 20          # batches per split at each evaluation
+    full_val: bool = True         # at the end, the loss over every token of the val split
     log_interval: int = 10
     sample_tokens: int = 300      # the sample printed at the end
     resume: str | None = None     # a run dir or checkpoint file to continue
@@ -90,6 +94,7 @@ class TrainConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must not exceed train.lr={self.lr}")
         check_device(self.device, "train.device")
+        check_optimizer(self.optimizer)
 
 
 ConfigStore.instance().store(group="train", name="schema", node=TrainConfig)
@@ -195,25 +200,6 @@ class Run:
     def diverged(self, what: str, value: float) -> FloatingPointError:
         kept = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
         return FloatingPointError(f"{what} is {value} at step {self.step}: stopped{kept}")
-
-
-@torch.no_grad()
-def estimate_loss(model, splits: dict, iters: int, seed: int, amp) -> dict:
-    """Mean loss over `iters` batches per split, the same batches at every evaluation."""
-    model.eval()
-    out = {}
-    for name, batches in splits.items():
-        saved = batches.state_dict()
-        batches.generator.manual_seed(seed)
-        losses = torch.zeros(iters)
-        for i in range(iters):
-            x, y = batches.next()
-            with amp:
-                losses[i] = model(x, y)[1].item()
-        batches.load_state_dict(saved)
-        out[name] = losses.mean().item()
-    model.train()
-    return out
 
 
 class RunLog:
@@ -349,8 +335,8 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
     raw_model = build_model(cfg, meta["vocab_size"], resume).to(device)
     config, n_params = raw_model.config, raw_model.num_params()
     resolved_cfg["model"] = dataclasses.asdict(config)  # what was trained, init_from's included
-    optimizer = raw_model.configure_optimizer(tcfg.lr, (tcfg.beta1, tcfg.beta2), tcfg.weight_decay,
-                                              fused=device.type == "cuda")
+    optimizer = configure_optimizer(raw_model, tcfg.optimizer, tcfg.lr, (tcfg.beta1, tcfg.beta2),
+                                    tcfg.weight_decay, fused=device.type == "cuda")
 
     # Every rank draws the same global batch and takes its slice [lo:hi], so N processes see
     # exactly the batches one process would with N times the batch size.
@@ -363,7 +349,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
                    "val": batches(val_tokens, split="the val")}
     run = Run(raw_model, optimizer, batches(train_tokens), run_dir, resolved_cfg, meta, master)
     if resume is not None:
-        optimizer.load_state_dict(resume.optimizer)
+        load_optimizer_state(optimizer, resume.optimizer, tcfg.optimizer, f"train.resume={tcfg.resume}")
         run.step, run.best_val = resume.step, resume.best_val
         checkpoint.restore_rng(resume.rng)
         run.batches.load_state_dict(resume.rng["batches"])
@@ -425,6 +411,11 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
                     stop.append(signal.SIGTERM)
             if stop:
                 break
+    full_val = None
+    if master and not stop and tcfg.full_val:
+        full_val = split_loss(raw_model, torch.from_numpy(val_tokens.astype("int64")), amp)
+        log.record({"step": run.step, "val_loss_full": full_val})
+        say(f"step {run.step}: val loss {full_val:.4f} over the whole val split ({len(val_tokens):,} tokens)")
     log.close()
 
     if stop:
@@ -437,8 +428,8 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
         if tcfg.sample_tokens > 0:
             print_sample(raw_model, meta, tcfg.sample_tokens, tcfg.seed)
         say(f"best val loss {run.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")
-    return {"step": run.step, "best_val": run.best_val, "checkpoint": run_dir / "best.pt",
-            "run_dir": run_dir}
+    return {"step": run.step, "best_val": run.best_val, "val_loss_full": full_val,
+            "checkpoint": run_dir / "best.pt", "run_dir": run_dir}
 
 
 # ----------------------------------------------------------------------------- command line

@@ -1,10 +1,16 @@
-"""Convert an MHA checkpoint to GQA or MQA by mean-pooling key/value heads.
+"""Conversions between checkpoints.
+
+Convert an MHA checkpoint to GQA or MQA by mean-pooling key/value heads:
 
     python -m model.convert outputs/<run> --n-kv-head 2 --out gqa.pt
     python train.py init_from=gqa.pt ...      # then uptrain briefly
 
 Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
 Checkpoints", §2.1: each new key (value) head is the mean of the original heads in its group.
+
+And `llama_weights`: a GPT with RoPE, RMSNorm, SwiGLU and no biases (the CPU main job's
+architecture) as a Hugging Face Llama's config and state dict, so that transformers can run the
+very same weights (the decode benchmark compares against it).
 """
 
 import argparse
@@ -38,6 +44,41 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
             q, k, v = tensor.split([C, old * hd, old * hd], dim=0)  # (C, ...), (old * hd, ...) x 2
             new_state[name] = torch.cat([q, pool(k), pool(v)], dim=0)
     return new_state, new_config
+
+
+def llama_weights(model) -> tuple[dict, dict]:
+    """(LlamaConfig keyword arguments, LlamaForCausalLM state dict) holding `model`'s weights.
+    Our RoPE rotates the halves (x[:hd/2], x[hd/2:]) as Llama's rotate_half does, so the query
+    and key rows need no permutation; the fused projections are split."""
+    c = model.config
+    llama = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False}
+    for field, value in llama.items():
+        if getattr(c, field) != value:
+            raise ValueError(f"a Llama needs model.{field}={value}, this model has {getattr(c, field)!r}")
+    hidden = model.blocks[0].mlp.proj.in_features
+    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": hidden,
+              "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+              "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
+              "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "rope_theta": 10000.0,
+              "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+              "tie_word_embeddings": c.tie_embeddings, "bos_token_id": 0, "eos_token_id": 0,
+              "pad_token_id": 0}
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kv_dim = c.n_kv_head * c.head_dim
+    state = {"model.embed_tokens.weight": ours["wte.weight"], "model.norm.weight": ours["norm_f.weight"],
+             "lm_head.weight": ours["lm_head.weight"]}
+    for i in range(c.n_layer):
+        block, layer = f"blocks.{i}.", f"model.layers.{i}."
+        q, k, v = ours[block + "attn.qkv.weight"].split([c.n_embd, kv_dim, kv_dim])  # (out, n_embd) each
+        gate, up = ours[block + "mlp.fc.weight"].chunk(2)                             # (hidden, n_embd) each
+        state |= {layer + "self_attn.q_proj.weight": q, layer + "self_attn.k_proj.weight": k,
+                  layer + "self_attn.v_proj.weight": v,
+                  layer + "self_attn.o_proj.weight": ours[block + "attn.proj.weight"],
+                  layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
+                  layer + "mlp.down_proj.weight": ours[block + "mlp.proj.weight"],
+                  layer + "input_layernorm.weight": ours[block + "norm_1.weight"],
+                  layer + "post_attention_layernorm.weight": ours[block + "norm_2.weight"]}
+    return config, state
 
 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:

@@ -138,13 +138,6 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def configure_optimizer(self, lr, betas, weight_decay, fused=False) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices only (not on biases and norm weights)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused)
-
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache sized for this model, in its dtype and on its device."""
         c = self.config

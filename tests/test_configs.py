@@ -76,7 +76,7 @@ def test_nanogpt_recipes():
     ("data.val_fraction=1.5", "data.val_fraction"), ("train.min_lr=0.5", "train.min_lr"),
     ("train.lr=nan", "train.lr"), ("train.device=mps", "train.device"),
     ("train.device=cuda:x", "train.device"),
-    ("data.tokenizer=words", "data.tokenizer"),
+    ("data.tokenizer=words", "data.tokenizer"), ("train.optimizer=sgd", "train.optimizer"),
 ])
 def test_out_of_range_values_name_the_field(override, field):
     cfg = compose("experiment=shakespeare_char_cpu", override)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import GPT, checkpoint
-from tests.helpers import compose, hf_gpt2, run_cli
+from tests.helpers import compose, hf_gpt2, run_cli, tiny_model
 from train import train
 
 transformers = pytest.importorskip("transformers")
@@ -76,3 +76,32 @@ def test_a_damaged_hugging_face_directory_is_a_value_error_naming_the_file(tmp_p
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(tmp_path)
+
+
+def hf_llama(model):
+    """transformers' Llama holding `model`'s weights (model.convert.llama_weights)."""
+    from model.convert import llama_weights
+
+    config, state = llama_weights(model)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    hf.load_state_dict(state)
+    return hf
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_the_main_jobs_architecture_matches_transformers_llama(n_kv_head):
+    ours = tiny_model(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=n_kv_head,
+                      n_embd=32, vocab_size=65)
+    hf = hf_llama(ours)
+    idx = torch.randint(0, 65, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
+    expected = hf.generate(idx[:1, :5], max_new_tokens=15, min_new_tokens=15, do_sample=False)
+    assert torch.equal(ours.generate(idx[:1, :5], 15, temperature=0), expected)
+
+
+def test_llama_export_names_what_a_llama_cannot_hold():
+    from model.convert import llama_weights
+
+    with pytest.raises(ValueError, match="model.pos_emb=rope"):
+        llama_weights(tiny_model())
