@@ -1,27 +1,68 @@
 """Weight-only int8 quantization for decoding (as in gpt-fast): each Linear's weight becomes int8
 with one scale per output row; activations stay in the model's dtype. A decode step reads every
-weight once per token, so 4x fewer weight bytes than fp32 is up to 4x fewer bytes to move."""
+weight once per token, so 4x fewer weight bytes than fp32 is up to 4x fewer bytes to move.
+
+The CPU kernel, torch._weight_int8pack_mm (PyTorch 2.13), reads the input width K in vectors of
+8 (AVX2, ARM) or 16 (AVX512) elements with no remainder loop, and on x86 loads each row of x with
+aligned vector loads. At a K that is not a multiple of its vector it reads past the rows (garbage
+outputs, ~1e34) or faults (a segfault); so does a row of x that does not start on a 16-byte
+(AVX512: 32-byte) boundary. x86 vectorizes bf16 only (fp32 there is right at any K), ARM every
+dtype. So Int8Linear keeps its weight with K zero-padded to a multiple of 16 and pads x to match:
+the zero columns add nothing, and a padded x is a fresh, aligned tensor. (A dequantizing fallback
+for such widths would not do: inductor rewrites F.linear(x, w.to(x.dtype)) * scales into the same
+kernel.)
+"""
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+K_MULTIPLE = 16  # the kernel's widest vector (AVX512: 16 bf16): every CPU's loop then ends at K
+ALIGN_BYTES = 32  # AVX512's aligned 256-bit load of 16 bf16
 
 
 class Int8Linear(nn.Module):
+    """nn.Linear with an int8 weight (out, in padded up to a multiple of 16, zero past `in`)
+    and one scale per output row; in_features / out_features are the layer's real sizes."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()                          # (out, in)
         scales = weight.abs().amax(dim=1).clamp(min=1e-8) / 127.0       # (out,)
-        self.register_buffer("weight", (weight / scales[:, None]).round().to(torch.int8))
+        int8 = (weight / scales[:, None]).round().to(torch.int8)        # (out, in)
+        padded_in = -(-self.in_features // K_MULTIPLE) * K_MULTIPLE
+        self.register_buffer("weight", F.pad(int8, (0, padded_in - self.in_features)))  # (out, padded_in)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x):
         shape = x.shape                                                   # (..., in)
-        out = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight,
-                                        self.scales.to(x.dtype))      # (B*T, out)
+        x = x.reshape(-1, self.in_features)                               # (B*T, in)
+        pad = self.weight.size(1) - self.in_features
+        if pad:
+            x = F.pad(x, (0, pad))                          # (B*T, padded_in), fresh and aligned
+        elif not torch.compiler.is_compiling() and not aligned(x):
+            # A view starting inside a row (a slice of the last dim) would fault the kernel.
+            # Compiled graphs skip this (data_ptr is not traceable, and inductor would drop the
+            # copy as a no-op): no layer of the GPT gets such an input.
+            x = x.clone(memory_format=torch.contiguous_format)          # (B*T, in)
+        out = torch._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))  # (B*T, out)
         out = out.view(*shape[:-1], self.out_features)                    # (..., out)
         return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight this layer multiplies by, in fp32: int8 times scale, (out, in)."""
+        return self.weight[:, :self.in_features].float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}")
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """Every row of x (M, K), K a multiple of 16, starts where the kernel's aligned loads can."""
+    return x.is_contiguous() and x.data_ptr() % ALIGN_BYTES == 0
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
