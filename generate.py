@@ -28,8 +28,8 @@ from hydra.core.config_store import ConfigStore
 from data.errors import check_command_line, config_object, run_guarded
 from data.prepare import read_text_files
 from data.tokenizer import tokenizer_from_meta
-from model.checkpoint import check_quantize, latest_run, load_model
-from model.device import check_device, check_dtype
+from model.checkpoint import latest_run, load_model
+from model.device import check_device, decode_precision
 from model.generation import check_sampling, compile_decode_step, left_pad, stream, timed_stream
 from model.plots import plot_attention
 
@@ -51,8 +51,8 @@ class GenerateConfig:
     seed: int = 1337
     kv_cache: bool = True
     compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
-    dtype: str = "float32"         # float32 | bfloat16
-    quantize: str | None = None    # int8: weight-only int8 Linear layers
+    dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.decode_precision)
+    quantize: str | None = "auto"  # auto | int8 (weight-only int8 Linear layers) | null
     device: str = "auto"
     benchmark: bool = False        # print prefill/decode tokens/s and the cache size instead
     attn_plot: str | None = None   # a .png path: the prompt's attention weights
@@ -68,8 +68,7 @@ class GenerateConfig:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         check_sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                        top_k=self.top_k, top_p=self.top_p)
-        check_dtype(self.dtype)
-        check_quantize(self.quantize)
+        decode_precision(torch.device("cpu"), self.dtype, self.quantize)  # names and combination
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")

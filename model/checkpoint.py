@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from model.config import GPTConfig
-from model.device import check_dtype, pick_device
+from model.device import DTYPES, decode_precision, pick_device
 from model.gpt import GPT
 from model.quantize import quantize_int8
 
@@ -327,24 +327,26 @@ def load_weights(model, weights: dict, source) -> None:
     model.load_state_dict(weights)
 
 
-def load_model(path, device="auto", dtype: str = "float32", quantize: str | None = None,
+def load_model(path, device="auto", dtype: str = "auto", quantize: str | None = "auto",
                option: str = "ckpt"):
-    """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt), in eval mode, on
-    `device`, in `dtype`, with int8 weights if quantize="int8"; the Checkpoint)."""
-    torch_dtype = check_dtype(dtype)
-    check_quantize(quantize)
+    """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt) ready to decode,
+    as `for_decoding` makes it; the Checkpoint)."""
+    device = pick_device(device) if isinstance(device, str) else device
+    decode_precision(device, dtype, quantize)  # the options' names are checked before loading
     ckpt = load(path, prefer="best.pt", option=option)
     model = GPT(ckpt.model_config)
     load_weights(model, ckpt.model, f"{option}={path}")
+    return for_decoding(model, device, dtype, quantize), ckpt
+
+
+def for_decoding(model: GPT, device, dtype: str = "auto", quantize: str | None = "auto") -> GPT:
+    """The model in eval mode on `device`, in the precision `decode_precision` picks (int8
+    weights when it says so)."""
+    device = pick_device(device) if isinstance(device, str) else device
+    dtype, quantize = decode_precision(device, dtype, quantize, model.num_params())
     if quantize == "int8":
         quantize_int8(model)
-    device = pick_device(device) if isinstance(device, str) else device
-    return model.to(device=device, dtype=torch_dtype).eval(), ckpt
-
-
-def check_quantize(quantize: str | None) -> None:
-    if quantize not in (None, "int8"):
-        raise ValueError(f"quantize must be null or int8, got {quantize!r}")
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
 def check_init_from(path) -> None:

@@ -65,6 +65,31 @@ def check_dtype(dtype: str, option: str = "dtype") -> torch.dtype:
     return DTYPES[dtype]
 
 
+# On a CPU a decode step reads every weight once per token. Above this many parameters (16 MB in
+# float32, half this CPU's L3) memory bandwidth bounds it and int8 weights pay; below it the
+# per-op overhead does, and bfloat16's conversions cost more than they save (benchmarks/decode.py).
+INT8_FROM_PARAMS = 4_000_000
+
+
+def decode_precision(device: torch.device, dtype: str = "auto", quantize: str | None = "auto",
+                     n_params: int = 0) -> tuple[str, str | None]:
+    """(dtype, quantize) to decode a model of n_params parameters in. `auto` picks the fastest
+    precision whose val loss stays within 0.01 of float32's (benchmarks/decode.py measures both):
+    on a CPU int8 weights with bfloat16 activations from INT8_FROM_PARAMS parameters, float32
+    below; on CUDA bfloat16. dtype=float32 is the exact path: quantize=auto then stays off. int8
+    runs with bfloat16 activations on a CPU (the kernel's vectorised path)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in (None, "auto", "int8"):
+        raise ValueError(f"quantize must be null, auto or int8, got {quantize!r}")
+    if quantize == "auto":
+        big = n_params >= INT8_FROM_PARAMS
+        quantize = "int8" if device.type == "cpu" and dtype in ("auto", "bfloat16") and big else None
+    if dtype == "auto":
+        dtype = "bfloat16" if quantize == "int8" or device.type == "cuda" else "float32"
+    return dtype, quantize
+
+
 def autocast(device: torch.device, dtype: str = "auto"):
     """The training precision: bf16 autocast on CUDA by default, plain float32 on CPU."""
     if dtype == "auto":

@@ -204,15 +204,15 @@ def test_load_model_in_each_dtype_and_int8(tmp_path):
     model = tiny_model()
     write(tmp_path / "best.pt", model)
     idx = torch.randint(0, 37, (2, 9))
-    fp32, ckpt = load_model(tmp_path, "cpu")
+    fp32, ckpt = load_model(tmp_path, "cpu")  # auto: a model this small decodes fastest in float32
     assert not fp32.training and torch.equal(fp32(idx), model(idx)) and ckpt.data_meta["tokenizer"] == "char"
     bf16, _ = load_model(tmp_path, "cpu", dtype="bfloat16")
     assert bf16.wte.weight.dtype == torch.bfloat16
     int8, _ = load_model(tmp_path, "cpu", quantize="int8")
-    assert isinstance(int8.lm_head, Int8Linear)
-    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
+    assert isinstance(int8.lm_head, Int8Linear) and int8.wte.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16"):
         load_model(tmp_path, "cpu", dtype="float16")
-    with pytest.raises(ValueError, match="quantize must be null or int8"):
+    with pytest.raises(ValueError, match="quantize must be null, auto or int8"):
         load_model(tmp_path, "cpu", quantize="int4")
 
 

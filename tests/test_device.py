@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from model.device import autocast, check_dtype, main_process_first, pick_device
+from model.device import autocast, check_dtype, decode_precision, main_process_first, pick_device
 
 
 def test_pick_device_names_the_option():
@@ -34,3 +34,25 @@ def test_main_process_first_is_a_no_op_in_one_process():
     with main_process_first():
         ran.append(1)
     assert ran == [1]
+
+
+@pytest.mark.parametrize("device,dtype,quantize,n_params,expected", [
+    ("cpu", "auto", "auto", 10_000_000, ("bfloat16", "int8")),  # bandwidth-bound: int8 weights
+    ("cpu", "auto", "auto", 800_000, ("float32", None)),        # overhead-bound: the exact path
+    ("cpu", "float32", "auto", 10_000_000, ("float32", None)),  # float32 typed: exact, never int8
+    ("cpu", "bfloat16", "auto", 10_000_000, ("bfloat16", "int8")),
+    ("cpu", "auto", None, 10_000_000, ("float32", None)),
+    ("cpu", "auto", "int8", 800_000, ("bfloat16", "int8")),     # int8 asked for: bf16 activations
+    ("cpu", "float32", "int8", 800_000, ("float32", "int8")),
+    ("cuda", "auto", "auto", 10_000_000, ("bfloat16", None)),
+])
+def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
+        device, dtype, quantize, n_params, expected):
+    assert decode_precision(torch.device(device), dtype, quantize, n_params) == expected
+
+
+@pytest.mark.parametrize("dtype,quantize,message", [("float16", "auto", "dtype must be one of auto"),
+                                                    ("auto", "int4", "quantize must be null, auto or int8")])
+def test_decode_precision_names_the_option(dtype, quantize, message):
+    with pytest.raises(ValueError, match=message):
+        decode_precision(torch.device("cpu"), dtype, quantize)
