@@ -134,8 +134,8 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
     torch.manual_seed(0)
     checkpoint.save(tmp_path / "best.pt", Checkpoint(model=GPT(config).state_dict(), model_config=config,
                                                      data_meta={"tokenizer": "char", "vocab": None}))
-    references = {None: load_model(tmp_path, "cpu")[0],
-                  "int8": dequantized_copy(load_model(tmp_path, "cpu", quantize="int8")[0])}
+    references = {None: load_model(tmp_path, "cpu", "float32", None)[0],
+                  "int8": dequantized_copy(load_model(tmp_path, "cpu", "float32", "int8")[0])}
     idx = torch.randint(0, 65, (2, 5))
     for dtype, quantize, compile, kv_cache in itertools.product(
             ["float32", "bfloat16"], [None, "int8"], [False, True], [True, False]):
