@@ -436,7 +436,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
 
 AUTO_RECIPES = {
     True: ("shakespeare_char", "CUDA is available: nanoGPT's GPU recipe"),
-    False: ("shakespeare_char_cpu_fast", "no CUDA device: the CPU recipe, about a minute on 2 cores"),
+    False: ("shakespeare_char_cpu_fast", "no CUDA device: the CPU recipe, 1-3 minutes on 2 cores"),
 }
 
 

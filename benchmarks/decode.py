@@ -91,8 +91,8 @@ def char_shape(new: int) -> None:
                                     bos_token_id=0, eos_token_id=0)).eval()
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
-        weights = GPT.from_pretrained(d).state_dict()
-        config = GPT.from_pretrained(d).config
+        loaded = GPT.from_pretrained(d)
+    weights, config = loaded.state_dict(), loaded.config
 
     def load(dtype, quantize):
         model = GPT(config)

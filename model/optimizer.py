@@ -25,10 +25,10 @@ def check_optimizer(name: str, option: str = "train.optimizer") -> str:
 def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, float],
                         weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer `name` over the model's trainable parameters (see the module docstring)."""
-    params = dict((n, p) for n, p in model.named_parameters() if p.requires_grad)
-    on_muon = [n for n, p in params.items()
-               if check_optimizer(name) == "muon" and p.dim() == 2 and n.startswith("blocks.")]
-    rest = [params[n] for n in params if n not in on_muon]
+    muon_wanted = check_optimizer(name) == "muon"
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    on_muon = [n for n, p in params.items() if muon_wanted and p.dim() == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in params.items() if n not in on_muon]
     adamw = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
                                {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
                               lr=lr, betas=betas, fused=fused)
