@@ -130,6 +130,7 @@ def logits_along(model, tokens, T, kv_cache, decode_step):
 def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path):
     """dtype x quantize x compile x kv_cache, the model loaded as generate.py loads it. One layer
     of the main job's model: every layer shape of it, and four compiles that stay affordable."""
+    torch._dynamo.reset()  # the decode steps other tests compiled count toward dynamo's recompile limit
     config = main_job_config(n_layer=1)
     torch.manual_seed(0)
     checkpoint.save(tmp_path / "best.pt", Checkpoint(model=GPT(config).state_dict(), model_config=config,
