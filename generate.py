@@ -196,8 +196,8 @@ def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None) ->
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
     print(f"KV cache: {cache.bytes_per_token:,} bytes per token "
-          f"(2 x {c.n_layer} layers x {c.n_kv_head} kv heads x {c.head_dim} x "
-          f"{cache.k[0].element_size()} bytes), {cache.nbytes / 2**20:.2f} MB at block_size "
+          f"({c.kv_cache_formula()} x {cache.k[0].element_size()} bytes), "
+          f"{cache.nbytes / 2**20:.2f} MB at block_size "
           f"{c.block_size}", file=out)
 
 

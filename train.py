@@ -362,7 +362,8 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     tokens_per_step = global_batch * tcfg.grad_accum * config.block_size
     say(f"model: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-        f"n_kv_head={config.n_kv_head} n_embd={config.n_embd} block_size={config.block_size} | "
+        f"n_kv_head={config.n_kv_head} n_embd={config.n_embd} block_size={config.block_size}, "
+        f"KV cache per token: {config.kv_cache_formula()} | "
         f"data: {meta['tokenizer']} vocab {meta['vocab_size']}, {len(train_tokens):,} train tokens | "
         f"{tokens_per_step:,} tokens/step on {world_size} x {device} | run dir: {run_dir}")
 

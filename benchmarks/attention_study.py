@@ -1,18 +1,31 @@
-"""The MHA vs GQA vs MQA study in one command.
+"""The attention study in one command: MHA, GQA, MQA, MLA and MQA with cross-layer sharing.
 
-    python benchmarks/attention_study.py                            # CPU default, ~5 minutes on 2 cores
+    python benchmarks/attention_study.py                            # CPU default, ~15 minutes on 2 cores
     python benchmarks/attention_study.py experiment=shakespeare_char # the GPU preset
 
-Trains each attention variant with everything else identical (data, seed, steps, batch, width),
-then measures parameters, best val loss and its curve, KV-cache bytes per token and at block_size,
-decode tokens/s with the cache at batch 1 and a large batch, and training tokens/s. Writes
-study.md and three PNG plots into the study's run dir (Hydra's output dir).
+Trains each attention variant with everything else identical (data, steps, batch, width, and the
+same seeds: each seed fixes the init RNG and the batch order), once per seed in `study.seeds`. Each
+run is scored by its loss over the whole val split (every token predicted once), and the study
+reports mean ± std over seeds. A difference between two variants counts as larger than the seed
+noise when their mean ± std ranges do not overlap (|difference| > std_a + std_b). Then it
+measures KV-cache bytes per token, parameters, training tokens/s, and cached decode tokens/s at
+several batch sizes at a long context (`study.decode_context`). Writes study.md, study.json and
+three PNG plots into the study's run dir (Hydra's output dir).
+
+MHA -> GQA/MQA conversion (mean-pooling K/V heads) is measured too: each seed's MHA model is
+converted to `study.uptrain_to` and uptrained for `study.uptrain_iters` steps. There is no
+MHA -> MLA conversion: our MLA keeps positions only in a narrow RoPE key shared by all heads,
+while an MHA with RoPE rotates every dimension of every head's key, so a low-rank factorisation of
+its K/V projections (as in MHA2MLA) drops the positions and needs a partial-RoPE retraining first.
 """
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
+from statistics import mean, stdev
 
 import hydra
 import torch
@@ -24,21 +37,27 @@ from data.errors import check_command_line, config_object, run_guarded
 from model import GPT
 from model.checkpoint import load_model
 from model.convert import convert_checkpoint
-from model.device import pick_device
-from model.generation import timed_stream
+from model.device import pick_device, synchronized_clock
 from model.plots import pyplot, save_figure
 from train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
+def attention_option(name: str) -> dict:
+    """The model fields that `attention=<name>` sets."""
+    return OmegaConf.to_container(OmegaConf.load(CONFIGS / "attention" / f"{name}.yaml"))
+
+
 @dataclass
 class StudyConfig:
     """The `study` node of configs/study.yaml."""
 
-    variants: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa"])  # attention options
-    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 64])
-    uptrain_iters: int = 300  # > 0: also convert the trained MHA model to uptrain_to and uptrain it
+    variants: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa", "mla", "mqa_cla2"])
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # each variant trains once per seed
+    decode_context: int = 1024  # cached positions when decode speed is measured
+    decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
+    uptrain_iters: int = 300  # > 0: also convert each trained MHA model to uptrain_to and uptrain it
     uptrain_to: str = "gqa"
     uptrain_lr: float = 1e-3
 
@@ -50,8 +69,16 @@ class StudyConfig:
                                  f"group ({', '.join(options)})")
         if not self.variants:
             raise ValueError("study.variants is empty: name at least one attention option")
+        target = attention_option(self.uptrain_to)
+        if target["mla_latent_dim"] is not None or target["kv_share"] != 1:
+            raise ValueError(f"study.uptrain_to={self.uptrain_to}: mean-pooling converts MHA to fewer "
+                             f"K/V heads only (mha, gqa, mqa)")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"study.seeds must be distinct seeds, at least one, got {self.seeds}")
         if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1:
             raise ValueError(f"study.decode_batch_sizes must be >= 1 each, got {self.decode_batch_sizes}")
+        if self.decode_context < 2 * DECODE_STEPS:
+            raise ValueError(f"study.decode_context must be >= {2 * DECODE_STEPS}, got {self.decode_context}")
         if self.uptrain_iters < 0:
             raise ValueError(f"study.uptrain_iters must be >= 0, got {self.uptrain_iters}")
         if self.uptrain_lr <= 0:
@@ -59,22 +86,26 @@ class StudyConfig:
 
 
 ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)
+DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
 
 
-def variant_config(cfg: DictConfig, variant: str) -> DictConfig:
-    """cfg with the attention group's option `variant` applied, as `attention=<variant>` would."""
+def variant_config(cfg: DictConfig, variant: str, seed: int) -> DictConfig:
+    """cfg with the attention group's option `variant` applied, as `attention=<variant>` would,
+    the seed set, and the whole-val-split loss on."""
     out = cfg.copy()
-    out.model = OmegaConf.merge(out.model, OmegaConf.load(CONFIGS / "attention" / f"{variant}.yaml"))
+    out.model = OmegaConf.merge(out.model, attention_option(variant))
+    out.train.seed = seed
+    out.train.full_val = True
     return out
 
 
-def uptrain_config(cfg: DictConfig, out_dir: Path) -> DictConfig:
-    """Convert the study's trained MHA model to the target variant by mean-pooling its K/V heads
+def uptrain_config(cfg: DictConfig, mha_dir: Path, out_dir: Path, seed: int) -> DictConfig:
+    """Convert a trained MHA model to the target variant by mean-pooling its K/V heads
     (Ainslie et al. 2023), and the config that uptrains it for study.uptrain_iters steps."""
-    target = variant_config(cfg, cfg.study.uptrain_to)
+    target = variant_config(cfg, cfg.study.uptrain_to, seed)
     n_kv_head = OmegaConf.to_container(target.model, resolve=True)["n_kv_head"]
-    converted = out_dir / f"mha_to_{cfg.study.uptrain_to}.pt"
-    convert_checkpoint(out_dir / "mha", n_kv_head, converted)
+    converted = out_dir / f"mha_to_{cfg.study.uptrain_to}_seed{seed}.pt"
+    convert_checkpoint(mha_dir, n_kv_head, converted)
     target.init_from = str(converted)
     target.train.max_iters = cfg.study.uptrain_iters
     target.train.lr = cfg.study.uptrain_lr
@@ -83,94 +114,175 @@ def uptrain_config(cfg: DictConfig, out_dir: Path) -> DictConfig:
     return target
 
 
-def decode_tokens_per_s(model: GPT, batch_size: int, device) -> float:
-    """Cached greedy decode: prompt of block_size/2 tokens, then decode to block_size."""
-    block = model.config.block_size
-    prompt = torch.randint(0, model.config.vocab_size, (batch_size, max(1, block // 2)), device=device)
-    n = block - prompt.size(1)
-    timed_stream(model, prompt, n)  # warm-up
-    _, decode_s = timed_stream(model, prompt, n)
-    return batch_size * (n - 1) / decode_s
+@torch.no_grad()
+def decode_tokens_per_s(config, batch_size: int, context: int, device) -> float:
+    """Tokens/s of cached one-token decode steps at the end of a `context`-long cache, for a
+    model of `config`'s shape (random weights: speed does not depend on them). The cache is
+    filled with random keys and values instead of a prefill, which would cost far more than
+    the measurement."""
+    torch.manual_seed(0)
+    model = GPT(dataclasses.replace(config, block_size=context, dropout=0.0)).to(device).eval()
+    cache = model.new_kv_cache(batch_size, context)
+    for t in cache.k + cache.v:
+        t.normal_()
+    cache.advance(context - 2 * DECODE_STEPS)
+    token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+    for _ in range(DECODE_STEPS):  # warm-up
+        model(token, kv_cache=cache)
+    clock = synchronized_clock(device)
+    t0 = clock()
+    for _ in range(DECODE_STEPS):
+        model(token, kv_cache=cache)
+    return batch_size * DECODE_STEPS / (clock() - t0)
 
 
-def measure(run_dir: Path, device, batch_sizes) -> dict:
-    model, _ = load_model(run_dir / "best.pt", device)
-    config = model.config
+def run_record(run_dir: Path, summary: dict) -> dict:
+    """What one training run gives the study: its whole-val-split loss, its sampled val curve and
+    its median training speed."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
-    cache = model.new_kv_cache(1)
+    return {"val_loss": summary["val_loss_full"],
+            "val_curve": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],
+            "train_tokens_per_s": speeds[len(speeds) // 2]}
+
+
+def summarize(runs: list[dict], run_dir: Path, device, study) -> dict:
+    """One row of the table: the variant's model facts, and its runs' mean and spread."""
+    model, _ = load_model(run_dir / "best.pt", device, dtype="float32", quantize=None)
+    config = model.config
+    losses = [r["val_loss"] for r in runs]
     return {
-        "n_head": config.n_head, "n_kv_head": config.n_kv_head, "params": model.num_params(),
-        "best_val": min(v for _, v in evals), "val_curve": evals,
-        "kv_bytes_per_token": cache.bytes_per_token, "kv_mb_at_block": cache.nbytes / 2**20,
-        "block_size": config.block_size,
-        "decode": {b: decode_tokens_per_s(model, b, device) for b in batch_sizes},
-        "train_tokens_per_s": speeds[len(speeds) // 2],
+        "n_kv_head": config.n_kv_head, "mla_latent_dim": config.mla_latent_dim,
+        "mla_rope_dim": config.mla_rope_dim, "kv_share": config.kv_share,
+        "params": model.num_params(),
+        "kv_formula": config.kv_cache_formula(),
+        "kv_bytes_per_token": model.new_kv_cache(1).bytes_per_token,
+        "val_loss_mean": mean(losses), "val_loss_std": stdev(losses) if len(losses) > 1 else 0.0,
+        "val_losses": losses, "seeds": list(study.seeds),
+        "val_curve": mean_curve([r["val_curve"] for r in runs]),
+        "train_tokens_per_s": mean(r["train_tokens_per_s"] for r in runs),
+        "decode": {b: decode_tokens_per_s(config, b, study.decode_context, device)
+                   for b in study.decode_batch_sizes},
     }
 
 
-def write_table(rows: dict, path: Path, batch_sizes) -> str:
-    head = ("| variant | n_kv_head | params | best val | KV bytes/token | KV MB at block_size "
-            f"(batch 1) | {' | '.join(f'decode tok/s, batch {b}' for b in batch_sizes)} | train tok/s |")
-    lines = [head, "|" + " --- |" * (7 + len(batch_sizes))]
+def mean_curve(curves: list[list]) -> list:
+    """The seeds' sampled val curves averaged step by step (every run evaluates at the same steps)."""
+    return [(steps[0][0], mean(loss for _, loss in steps)) for steps in zip(*curves)]
+
+
+def beyond_noise(a: dict, b: dict) -> bool:
+    """Whether two rows' mean val losses differ by more than the seeds' spread: their
+    mean ± std ranges do not overlap. Needs at least two seeds."""
+    if len(a["val_losses"]) < 2 or len(b["val_losses"]) < 2:
+        return False
+    return abs(a["val_loss_mean"] - b["val_loss_mean"]) > a["val_loss_std"] + b["val_loss_std"]
+
+
+def write_table(rows: dict, path: Path, study) -> str:
+    """study.md: the table, then every pair of rows whose difference exceeds the seed noise."""
+    names = list(rows)
+    base = rows[names[0]]
+    batches = study.decode_batch_sizes
+    head = (f"| variant | KV cache per token | KV bytes/token | params | val loss (whole split, "
+            f"{len(study.seeds)} seeds) | vs {names[0]} | beyond seed noise? | "
+            + " | ".join(f"decode tok/s, batch {b}" for b in batches) + " | train tok/s |")
+    lines = [head, "|" + " --- |" * (8 + len(batches))]
     for name, r in rows.items():
-        decode = " | ".join(f"{r['decode'][b]:,.0f}" for b in batch_sizes)
-        lines.append(f"| {name} | {r['n_kv_head']} | {r['params']:,} | {r['best_val']:.4f} | "
-                     f"{r['kv_bytes_per_token']:,} | {r['kv_mb_at_block']:.3f} | {decode} | "
-                     f"{r['train_tokens_per_s']:,.0f} |")
-    table = "\n".join(lines) + "\n"
-    path.write_text(table)
-    return table
+        delta = r["val_loss_mean"] - base["val_loss_mean"]
+        noise = "—" if r is base else ("**yes**" if beyond_noise(r, base) else "no")
+        decode = " | ".join(f"{r['decode'][b]:,.0f}" for b in batches)
+        lines.append(f"| {name} | {r['kv_formula']} | {r['kv_bytes_per_token']:,} | {r['params']:,} | "
+                     f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f} | {delta:+.4f} | {noise} | "
+                     f"{decode} | {r['train_tokens_per_s']:,.0f} |")
+    pairs = [f"- {a} {'<' if rows[a]['val_loss_mean'] < rows[b]['val_loss_mean'] else '>'} {b}: "
+             f"{rows[a]['val_loss_mean'] - rows[b]['val_loss_mean']:+.4f}"
+             for a, b in combinations(names, 2) if beyond_noise(rows[a], rows[b])]
+    text = "\n".join(lines) + (
+        f"\n\nDecode: cached one-token steps at context {study.decode_context}, float32, eager. "
+        f"A difference is beyond seed noise when the mean ± std ranges do not overlap.\n\n"
+        f"Pairs whose val loss differs by more than the seed noise:\n"
+        + ("\n".join(pairs) if pairs else "- none") + "\n")
+    path.write_text(text)
+    return text
 
 
-def plot(rows: dict, out_dir: Path, batch_sizes) -> None:
+def pareto_front(rows: dict) -> list[str]:
+    """The rows no other row beats on both KV bytes per token and mean val loss, by bytes."""
+    front = [n for n, r in rows.items()
+             if not any(o["kv_bytes_per_token"] <= r["kv_bytes_per_token"]
+                        and o["val_loss_mean"] <= r["val_loss_mean"] and o is not r
+                        and (o["kv_bytes_per_token"], o["val_loss_mean"]) != (r["kv_bytes_per_token"],
+                                                                              r["val_loss_mean"])
+                        for o in rows.values())]
+    return sorted(front, key=lambda n: rows[n]["kv_bytes_per_token"])
+
+
+def plot(rows: dict, out_dir: Path, study) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in rows.items():
         ax.plot(*zip(*r["val_curve"]), marker="o", label=name)
-    ax.set(xlabel="step", ylabel="val loss", title="Validation loss")
-    ax.legend()
+    ax.set(xlabel="step", ylabel=f"val loss (sampled, mean of {len(study.seeds)} seeds)",
+           title="Validation loss")
+    ax.legend(fontsize=8)
     save_figure(fig, out_dir / "val_loss.png")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    front = pareto_front(rows)
+    ax.plot([rows[n]["kv_bytes_per_token"] for n in front], [rows[n]["val_loss_mean"] for n in front],
+            color="0.7", zorder=0, label="Pareto front")
     for name, r in rows.items():
-        ax.scatter(r["kv_bytes_per_token"], r["best_val"], s=60)
-        ax.annotate(name, (r["kv_bytes_per_token"], r["best_val"]), xytext=(5, 5), textcoords="offset points")
-    ax.set(xlabel="KV cache bytes per token", ylabel="best val loss", title="Loss vs KV cache size")
+        ax.errorbar(r["kv_bytes_per_token"], r["val_loss_mean"], yerr=r["val_loss_std"], fmt="o",
+                    capsize=4)
+        ax.annotate(name, (r["kv_bytes_per_token"], r["val_loss_mean"]), xytext=(6, 4),
+                    textcoords="offset points", fontsize=8)
+    ax.set_xscale("log")
+    ax.set(xlabel="KV cache bytes per token (log scale)",
+           ylabel=f"val loss, whole split (mean ± std, {len(study.seeds)} seeds)",
+           title="Loss vs KV cache size")
+    ax.legend(fontsize=8)
     save_figure(fig, out_dir / "val_vs_kv_bytes.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(rows)
-    for i, (name, r) in enumerate(rows.items()):
-        ax.bar([j + i * width for j in range(len(batch_sizes))], [r["decode"][b] for b in batch_sizes],
-               width, label=name)
-    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(batch_sizes))],
-                  [f"batch {b}" for b in batch_sizes])
-    ax.set(ylabel="decode tokens/s (KV cache)", title="Decode speed by batch size")
-    ax.legend()
-    save_figure(fig, out_dir / "decode_by_batch.png", grid_axis="y")
+    for name, r in rows.items():
+        ax.plot(study.decode_batch_sizes, [r["decode"][b] for b in study.decode_batch_sizes], marker="o",
+                label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set(xlabel="batch size", ylabel="decode tokens/s (KV cache)",
+           title=f"Decode speed at context {study.decode_context}")
+    ax.legend(fontsize=8)
+    save_figure(fig, out_dir / "decode_by_batch.png")
 
 
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
-    """Train every variant into out_dir/<variant>, measure them, write study.md and the plots."""
+    """Train every variant once per seed into out_dir/<variant>/seed<seed>, measure them, write
+    study.md, study.json and the plots."""
     out_dir = Path(out_dir)
-    config_object(cfg.study, "study.")  # checks the study's options before anything trains
+    study = config_object(cfg.study, "study.")  # checks the study's options before anything trains
     device = pick_device(cfg.train.device, "train.device")
-    batch_sizes = list(cfg.study.decode_batch_sizes)
-    rows = {}
-    for variant in cfg.study.variants:
-        print(f"=== training {variant} ===", flush=True)
-        train(variant_config(cfg, variant), out_dir / variant)
-        rows[variant] = measure(out_dir / variant, device, batch_sizes)
-    if cfg.study.uptrain_iters and "mha" in rows:
-        name = f"{cfg.study.uptrain_to} uptrained from mha ({cfg.study.uptrain_iters} steps)"
-        print(f"=== {name} ===", flush=True)
-        train(uptrain_config(cfg, out_dir), out_dir / "uptrained")
-        rows[name] = measure(out_dir / "uptrained", device, batch_sizes)
-    table = write_table(rows, out_dir / "study.md", batch_sizes)
+    rows, runs_dir = {}, {}
+    for variant in study.variants:
+        runs = []
+        for seed in study.seeds:
+            print(f"=== training {variant}, seed {seed} ===", flush=True)
+            run_dir = out_dir / variant / f"seed{seed}"
+            runs.append(run_record(run_dir, train(variant_config(cfg, variant, seed), run_dir)))
+        runs_dir[variant] = run_dir
+        rows[variant] = summarize(runs, run_dir, device, study)
+    if study.uptrain_iters and "mha" in rows:
+        name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"
+        runs = []
+        for seed in study.seeds:
+            print(f"=== {name}, seed {seed} ===", flush=True)
+            run_dir = out_dir / "uptrained" / f"seed{seed}"
+            target = uptrain_config(cfg, out_dir / "mha" / f"seed{seed}", out_dir, seed)
+            runs.append(run_record(run_dir, train(target, run_dir)))
+        rows[name] = summarize(runs, run_dir, device, study)
+    table = write_table(rows, out_dir / "study.md", study)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out_dir, batch_sizes)
+    plot(rows, out_dir, study)
     print(table + f"\nwritten to {out_dir}: study.md, study.json, val_loss.png, val_vs_kv_bytes.png, "
           f"decode_by_batch.png")
     return rows

@@ -1,8 +1,14 @@
-"""The one attention core.
+"""The one attention core, and the two attention layers built on it.
 
-`attend` computes softmax(q k^T / sqrt(hd)) v for n_head query heads over n_kv_head key/value
+`attend` computes softmax(q k^T / sqrt(d_k)) v for n_head query heads over n_kv_head key/value
 heads. MHA (n_kv_head == n_head), GQA (1 < n_kv_head < n_head) and MQA (n_kv_head == 1) are
-the same code: query head h reads key/value head h // (n_head // n_kv_head).
+the same code: query head h reads key/value head h // (n_head // n_kv_head). Values may be wider
+or narrower than keys (d_v != d_k), which multi-head latent attention needs.
+
+`CausalSelfAttention` is MHA, GQA and MQA; `LatentAttention` is multi-head latent attention
+(MLA, DeepSeek-V2). Both can take their keys and values from an earlier layer instead of making
+their own (cross-layer KV sharing, `GPTConfig.kv_share`), and both return what they attended
+over, so that the next layers of their group can reuse it.
 """
 
 import math
@@ -20,19 +26,21 @@ def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
 
 
 def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="sdpa",
-           return_weights=False):
-    """q: (B, n_head, T, hd); k, v: (B, n_kv_head, S, hd) with S >= T.
+           return_weights=False, scale=None):
+    """q: (B, n_head, T, d_k); k: (B, n_kv_head, S, d_k); v: (B, n_kv_head, S, d_v); S >= T.
 
     The T queries are the last T of the S positions, so the causal mask is bottom-right aligned:
     query i sees keys 0 .. S-T+i. `attn_mask` (bool, True = may attend, broadcastable to
-    (B, n_head, T, S)) is combined with it. Returns (B, n_head, T, hd), and with
-    `return_weights=True` (naive backend) also the weights (B, n_head, T, S).
+    (B, n_head, T, S)) is combined with it. `scale` multiplies the scores (default 1/sqrt(d_k)).
+    Returns (B, n_head, T, d_v), and with `return_weights=True` (naive backend) also the
+    weights (B, n_head, T, S).
     """
-    B, n_head, T, hd = q.shape
-    n_kv_head, S = k.shape[1], k.shape[2]
-    if S < T or n_head % n_kv_head:
-        raise ValueError(f"attend: need S >= T and n_head % n_kv_head == 0, got "
-                         f"T={T}, S={S}, n_head={n_head}, n_kv_head={n_kv_head}")
+    B, n_head, T, d_k = q.shape
+    n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    if S < T or n_head % n_kv_head or k.shape[-1] != d_k or v.shape[1:3] != k.shape[1:3]:
+        raise ValueError(f"attend: need S >= T, n_head % n_kv_head == 0, q and k of one width and "
+                         f"v with k's heads and positions; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (n_head={n_head}, n_kv_head={n_kv_head})")
     if return_weights and backend != "naive":
         raise ValueError("attend: return_weights=True needs backend='naive'")
 
@@ -40,20 +48,21 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
         # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
         if is_causal and attn_mask is None and T == S:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                  enable_gqa=n_kv_head != n_head)
+                                                  scale=scale, enable_gqa=n_kv_head != n_head)
         mask = attn_mask
         if is_causal and T > 1:  # a single query is the last position: it sees every key
             mask = causal_mask(T, S, q.device) if mask is None else mask & causal_mask(T, S, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              enable_gqa=n_kv_head != n_head)
+                                              scale=scale, enable_gqa=n_kv_head != n_head)
     if backend != "naive":
         raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
 
     # Group the query heads that share a key/value head; broadcasting reads each K/V head
     # once for its whole group instead of materialising n_head copies.
     n_rep = n_head // n_kv_head
-    qg = q.view(B, n_kv_head, n_rep, T, hd)                            # (B, n_kv_head, n_rep, T, hd)
-    scores = qg @ k.unsqueeze(2).transpose(-2, -1) / math.sqrt(hd)    # (B, n_kv_head, n_rep, T, S)
+    qg = q.view(B, n_kv_head, n_rep, T, d_k)                           # (B, n_kv_head, n_rep, T, d_k)
+    scale = 1 / math.sqrt(d_k) if scale is None else scale
+    scores = qg @ k.unsqueeze(2).transpose(-2, -1) * scale            # (B, n_kv_head, n_rep, T, S)
     scores = scores.view(B, n_head, T, S)                              # (B, n_head, T, S)
     if is_causal:
         scores = scores.masked_fill(~causal_mask(T, S, q.device), float("-inf"))
@@ -61,8 +70,8 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     weights = F.softmax(scores, dim=-1)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
-    out = dropped.view(B, n_kv_head, n_rep, T, S) @ v.unsqueeze(2)   # (B, n_kv_head, n_rep, T, hd)
-    out = out.view(B, n_head, T, hd)                                   # (B, n_head, T, hd)
+    out = dropped.view(B, n_kv_head, n_rep, T, S) @ v.unsqueeze(2)   # (B, n_kv_head, n_rep, T, d_v)
+    out = out.view(B, n_head, T, d_v)                                  # (B, n_head, T, d_v)
     return (out, weights) if return_weights else out
 
 
@@ -74,8 +83,8 @@ def rope_cache(block_size: int, head_dim: int, base: float = 10000.0):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x (B, H, T, hd) by the angles of their
-    positions; cos and sin are (T, hd/2) or (B, 1, T, hd/2)."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (B, H, T, d) by the angles of their
+    positions; cos and sin are (T, d/2) or (B, 1, T, d/2)."""
     x1, x2 = x.float().chunk(2, dim=-1)                                # (B, H, T, hd/2) each
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
@@ -86,46 +95,143 @@ def make_norm(config: GPTConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
-class CausalSelfAttention(nn.Module):
-    """Multi-head attention with n_kv_head key/value heads: MHA, GQA and MQA are this class."""
+class Attention(nn.Module):
+    """What both attention layers share: their place in a group of `kv_share` adjacent layers
+    (the first makes keys and values and writes them to the cache, the others reuse them), the
+    backend, dropout, and the weights kept for heatmaps."""
 
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+    def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx  # which slot of a KVCache this layer writes
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.backend = config.attn_backend
-        self.dropout = config.dropout
-        kv_dim = config.n_kv_head * config.head_dim
-        # One fused projection: n_embd queries, then kv_dim keys, then kv_dim values.
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_dim, bias=config.bias)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
-        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.makes_kv = layer_idx % config.kv_share == 0
+        self.kv_slot = layer_idx // config.kv_share  # the KVCache slot of this layer's group
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.backend, self.dropout = config.attn_backend, config.dropout
         self.keep_weights = False  # set True to keep the last attention weights in .weights
         self.weights = None
 
-    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None):
+    def attend(self, q, k, v, attn_mask, scale=None):
+        """`attend` with this layer's backend and dropout, causal unless a mask is given; with
+        keep_weights, the textbook path, which keeps the attention weights."""
+        dropout_p = self.dropout if self.training else 0.0
+        if self.keep_weights:
+            out, self.weights = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
+                                       dropout_p=dropout_p, backend="naive", return_weights=True,
+                                       scale=scale)
+            return out
+        return attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, dropout_p=dropout_p,
+                      backend=self.backend, scale=scale)
+
+
+class CausalSelfAttention(Attention):
+    """Multi-head attention with n_kv_head key/value heads: MHA, GQA and MQA are this class."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        self.n_kv_head = config.n_kv_head
+        self.kv_dim = config.n_kv_head * config.head_dim if self.makes_kv else 0
+        # One fused projection: n_embd queries, then kv_dim keys, then kv_dim values.
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
+        self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
+
+    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
         """x: (B, T, n_embd). Without a mask, plain causal attention over x. With `kv_cache`,
         the new keys/values are written at slots `input_pos` (T,) and the queries attend over
-        the whole cache under `attn_mask` (the GPT builds it; it encodes causality)."""
+        the whole cache under `attn_mask` (the GPT builds it; it encodes causality). A layer
+        that does not make K/V attends over `shared_kv`, what its group's first layer returned.
+        Returns (output (B, T, n_embd), the keys and values attended over)."""
         B, T, C = x.shape
-        kv_dim = self.n_kv_head * self.head_dim
-        q, k, v = self.qkv(x).split([C, kv_dim, kv_dim], dim=-1)
+        q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, hd)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if kv_cache is not None:
-            k, v = kv_cache.update(self.layer_idx, input_pos, k, v)    # (B, n_kv_head, max_len, hd)
-        dropout_p = self.dropout if self.training else 0.0
-        if self.keep_weights:  # for attention heatmaps: the textbook path, weights kept
-            out, self.weights = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
-                                       dropout_p=dropout_p, backend="naive", return_weights=True)
+            q = apply_rope(q, *rope)
+        if self.makes_kv:
+            k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+            v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if rope is not None:
+                k = apply_rope(k, *rope)
+            if kv_cache is not None:
+                k, v = kv_cache.update(self.kv_slot, input_pos, k, v)    # (B, n_kv_head, max_len, hd)
         else:
-            out = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
-                         dropout_p=dropout_p, backend=self.backend)
+            k, v = shared_kv
+        out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
         out = out.transpose(1, 2).contiguous().view(B, T, C)            # (B, T, n_embd)
-        return self.proj(out)
+        return self.proj(out), (k, v)
+
+
+class LatentAttention(Attention):
+    """Multi-head latent attention (MLA; DeepSeek-V2, 2024, section 2.1).
+
+    Each position is compressed to one small latent c (width L = mla_latent_dim, normalised)
+    and one RoPE key k_r (width R = mla_rope_dim) shared by all heads. Head h's key is
+    [W_k[h] c, k_r] and its value W_v[h] c, with W_k[h], W_v[h] of shape (hd, L); its query is
+    [q_h, q_r,h]. The scores are scaled by 1/sqrt(hd + R) in both forms below.
+
+    - Plain form (training, and any call without a cache): keys and values are expanded per
+      head, and the n_head heads attend as in MHA, with d_k = hd + R and d_v = hd.
+    - Absorbed form (with a cache): q_h . W_k[h] c = (W_k[h]^T q_h) . c, so each query is moved
+      into latent space instead, and every head attends over the cached [c, k_r] itself: one
+      key/value head (MQA over the latent) of key width L + R and value width L (the cache
+      stores only that, L + R per position per layer). The output W_v[h] (weights @ c) takes
+      the value projection after the attention. Both forms compute the same function.
+
+    With learned positions there is no rotation, and k_r is just a key part that every head shares.
+    """
+
+    def __init__(self, config: GPTConfig, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        self.latent_dim, self.rope_dim = config.mla_latent_dim, config.mla_rope_dim
+        hd, L, R = self.head_dim, self.latent_dim, self.rope_dim
+        self.q = nn.Linear(config.n_embd, config.n_head * (hd + R), bias=config.bias)  # per head: [q, q_r]
+        if self.makes_kv:
+            self.kv_down = nn.Linear(config.n_embd, L + R, bias=config.bias)  # [c before its norm, k_r]
+            self.kv_norm = make_norm(config, L)
+        # The key, then the value up-projections of the latent, per head: (2 * n_head * hd, L). A
+        # plain matrix rather than a Linear, because the absorbed form multiplies by it per head
+        # (and int8 decoding, which converts Linear layers, leaves it in the activations' dtype).
+        self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)
+        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
+        """As CausalSelfAttention.forward; what this layer attends over (and returns, and caches)
+        is the latent and the RoPE key, [c, k_r]: (B, 1, T or max_len, L + R)."""
+        B, T, C = x.shape
+        hd, L, R = self.head_dim, self.latent_dim, self.rope_dim
+        q = self.q(x).view(B, T, self.n_head, hd + R).transpose(1, 2)   # (B, n_head, T, hd + R)
+        q, q_rope = q.split([hd, R], dim=-1)                              # (B, n_head, T, hd), (.., R)
+        if rope is not None:
+            q_rope = apply_rope(q_rope, *rope)
+        if self.makes_kv:
+            c, k_rope = self.kv_down(x).unsqueeze(1).split([L, R], dim=-1)  # (B, 1, T, L), (B, 1, T, R)
+            if rope is not None:
+                k_rope = apply_rope(k_rope, *rope)
+            latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)         # (B, 1, T, L + R)
+            if kv_cache is not None:
+                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent)  # (B, 1, max_len, L + R)
+        else:
+            latent = shared_kv
+        w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each
+        scale = 1 / math.sqrt(hd + R)
+        c, k_rope = latent.split([L, R], dim=-1)                          # (B, 1, S, L), (B, 1, S, R)
+        if kv_cache is None:  # plain form
+            S = latent.size(2)
+            k = torch.cat([c @ w_k.transpose(1, 2),                       # (B, n_head, S, hd)
+                           k_rope.expand(B, self.n_head, S, R)], dim=-1)  # (B, n_head, S, hd + R)
+            v = c @ w_v.transpose(1, 2)                                   # (B, n_head, S, hd)
+            out = self.attend(torch.cat([q, q_rope], dim=-1), k, v, attn_mask, scale)  # (B, n_head, T, hd)
+        else:  # absorbed form
+            q_latent = q @ w_k                                            # (B, n_head, T, L)
+            # The values are c, the first L columns of each cached row [c, k_r]. Passing the whole
+            # row as the value and keeping the first L output columns gives the same numbers with
+            # d_v = d_k, which SDPA's fused kernels need: with d_v != d_k SDPA falls back to its
+            # math path, ~10x slower on CPU at batch 64 and context 1024.
+            out = self.attend(torch.cat([q_latent, q_rope], dim=-1), latent, latent, attn_mask,
+                              scale)[..., :L]                             # (B, n_head, T, L)
+            out = out @ w_v.transpose(1, 2)                               # (B, n_head, T, hd)
+        out = out.transpose(1, 2).contiguous().view(B, T, C)            # (B, T, n_embd)
+        return self.proj(out), latent

@@ -17,6 +17,9 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_kv_head: int | None = None  # None means n_head (MHA); 1 is MQA; in between is GQA
+    mla_latent_dim: int | None = None  # set: multi-head latent attention, K/V from a latent this wide
+    mla_rope_dim: int = 0  # MLA: width of the decoupled RoPE key shared by all heads
+    kv_share: int = 1  # adjacent layers sharing one K/V (cross-layer attention); 1: each its own
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorm, as in GPT-2
@@ -45,12 +48,16 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}"
             )
+        if not isinstance(self.kv_share, int) or not 1 <= self.kv_share <= self.n_layer:
+            raise ValueError(f"GPTConfig.kv_share must be an integer in 1..n_layer={self.n_layer}, "
+                             f"got {self.kv_share!r}")
+        self.check_mla()
         for name, allowed in OPTIONS.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"GPTConfig.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
                 )
-        if self.pos_emb == "rope" and self.head_dim % 2:
+        if self.pos_emb == "rope" and self.mla_latent_dim is None and self.head_dim % 2:
             raise ValueError(
                 f"GPTConfig.pos_emb='rope' needs an even head dim, "
                 f"but n_embd/n_head = {self.head_dim}"
@@ -60,6 +67,49 @@ class GPTConfig:
         if self.norm_eps <= 0:
             raise ValueError(f"GPTConfig.norm_eps must be positive, got {self.norm_eps}")
 
+    def check_mla(self) -> None:
+        if not isinstance(self.mla_rope_dim, int) or self.mla_rope_dim < 0:
+            raise ValueError(f"GPTConfig.mla_rope_dim must be an integer >= 0, got {self.mla_rope_dim!r}")
+        if self.mla_latent_dim is None:
+            if self.mla_rope_dim:
+                raise ValueError(f"GPTConfig.mla_rope_dim={self.mla_rope_dim} is for multi-head latent "
+                                 f"attention: set mla_latent_dim too (or attention=mla)")
+            return
+        if not isinstance(self.mla_latent_dim, int) or self.mla_latent_dim < 1:
+            raise ValueError(f"GPTConfig.mla_latent_dim must be a positive integer or null, "
+                             f"got {self.mla_latent_dim!r}")
+        if self.n_kv_head != self.n_head:
+            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not apply to multi-head latent "
+                             f"attention (mla_latent_dim={self.mla_latent_dim}): every head has its own "
+                             f"keys from the latent; leave n_kv_head = n_head={self.n_head}")
+        if self.qk_norm:
+            raise ValueError("GPTConfig.qk_norm=true cannot be combined with multi-head latent attention "
+                             "(mla_latent_dim): a norm of each head's key cannot be absorbed into the query")
+        if self.pos_emb == "rope" and (self.mla_rope_dim == 0 or self.mla_rope_dim % 2):
+            raise ValueError(f"GPTConfig.mla_rope_dim must be even and > 0 with pos_emb='rope' and "
+                             f"multi-head latent attention: the RoPE key carries the positions; "
+                             f"got {self.mla_rope_dim}")
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: each head's, or MLA's decoupled RoPE key's."""
+        return self.head_dim if self.mla_latent_dim is None else self.mla_rope_dim
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers that keep keys and values in the cache: one per group of kv_share layers."""
+        return -(-self.n_layer // self.kv_share)
+
+    def kv_cache_formula(self) -> str:
+        """The numbers one cached position holds, e.g. '4 layers x 2 (K, V) x 2 kv heads x 32'."""
+        layers = f"{self.kv_layers} layer{'s' * (self.kv_layers > 1)}"
+        if self.kv_share > 1:
+            layers += f" (n_layer {self.n_layer} / kv_share {self.kv_share}" + \
+                (", rounded up)" if self.n_layer % self.kv_share else ")")
+        if self.mla_latent_dim is not None:
+            return f"{layers} x ({self.mla_latent_dim} latent + {self.mla_rope_dim} rope)"
+        return f"{layers} x 2 (K, V) x {self.n_kv_head} kv heads x {self.head_dim}"

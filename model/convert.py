@@ -28,6 +28,9 @@ from model.config import GPTConfig
 def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, GPTConfig]:
     """Weights and config of the model with n_kv_head key/value heads, each the mean of a group
     of consecutive heads (query head h keeps reading the group that holds its old K/V head)."""
+    if config.mla_latent_dim is not None:
+        raise ValueError("this checkpoint uses multi-head latent attention (mla_latent_dim): its keys "
+                         "and values come from a latent, there are no K/V heads to mean-pool")
     new_config = dataclasses.replace(config, n_kv_head=n_kv_head)  # validates n_kv_head
     if config.n_kv_head % n_kv_head:
         raise ValueError(f"n_kv_head={n_kv_head} must divide the checkpoint's n_kv_head={config.n_kv_head}")
@@ -40,7 +43,8 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
 
     new_state = dict(state)
     for name, tensor in state.items():
-        if name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias"):
+        # Layers that reuse an earlier layer's K/V (kv_share > 1) project queries only.
+        if (name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias")) and len(tensor) > C:
             q, k, v = tensor.split([C, old * hd, old * hd], dim=0)  # (C, ...), (old * hd, ...) x 2
             new_state[name] = torch.cat([q, pool(k), pool(v)], dim=0)
     return new_state, new_config
@@ -51,7 +55,8 @@ def llama_weights(model) -> tuple[dict, dict]:
     Our RoPE rotates the halves (x[:hd/2], x[hd/2:]) as Llama's rotate_half does, so the query
     and key rows need no permutation; the fused projections are split."""
     c = model.config
-    llama = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False}
+    llama = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
+             "mla_latent_dim": None, "kv_share": 1}
     for field, value in llama.items():
         if getattr(c, field) != value:
             raise ValueError(f"a Llama needs model.{field}={value}, this model has {getattr(c, field)!r}")

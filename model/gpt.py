@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import CausalSelfAttention, make_norm, rope_cache
+from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_cache
 from model.config import GPTConfig
 from model.generation import generate
 from model.kv_cache import KVCache
@@ -35,14 +35,17 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.norm_1 = make_norm(config, config.n_embd)
-        self.attn = CausalSelfAttention(config, layer_idx)
+        attention = CausalSelfAttention if config.mla_latent_dim is None else LatentAttention
+        self.attn = attention(config, layer_idx)
         self.norm_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, **attn_kwargs):
-        x = x + self.dropout(self.attn(self.norm_1(x), **attn_kwargs))
-        return x + self.dropout(self.mlp(self.norm_2(x)))
+        """Returns the new x and the keys/values the attention used (for layers sharing them)."""
+        out, kv = self.attn(self.norm_1(x), **attn_kwargs)
+        x = x + self.dropout(out)
+        return x + self.dropout(self.mlp(self.norm_2(x))), kv
 
 
 class GPT(nn.Module):
@@ -52,8 +55,8 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
         if config.pos_emb == "rope":
-            cos, sin = rope_cache(config.block_size, config.head_dim)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hd/2)
+            cos, sin = rope_cache(config.block_size, config.rope_dim)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, rope_dim/2)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
@@ -145,8 +148,11 @@ class GPT(nn.Module):
         if not 1 <= max_len <= c.block_size:
             raise ValueError(f"max_len={max_len} must be in 1..block_size={c.block_size}")
         weight = self.wte.weight
-        return KVCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim,
-                       dtype=dtype or weight.dtype, device=weight.device)
+        dtype, device = dtype or weight.dtype, weight.device
+        if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
+            return KVCache(c.kv_layers, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
+                           values_in_keys=c.mla_latent_dim, dtype=dtype, device=device)
+        return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
 
     def forward(self, idx, targets=None, *, kv_cache=None, pad=None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets.
@@ -192,13 +198,15 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B,T, hd/2)
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B,T, rope_dim/2)
             if positions.dim() == 2:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, hd/2)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim/2)
             rope = (cos, sin)
         x = self.drop(x)
+        kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
-            x = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask)
+            x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask,
+                          shared_kv=kv)
         return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
 
     # model.generate(idx, max_new_tokens, ...) is model.generation.generate(model, idx, ...)

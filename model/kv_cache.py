@@ -4,7 +4,12 @@ import torch
 
 
 class KVCache:
-    """Per layer, K and V of shape (B, n_kv_head, max_len, hd).
+    """Per slot, K of shape (B, n_kv_head, max_len, key_dim) and V of (B, n_kv_head, max_len, hd).
+
+    A slot is one layer's keys and values, or one group's when adjacent layers share them
+    (`GPTConfig.kv_share`): n_slots = ceil(n_layer / kv_share). With `values_in_keys=L`, there
+    is no separate V: the values are the first L columns of the keys (multi-head latent
+    attention caches one latent that serves as both), so only K takes memory.
 
     `length` counts the positions written so far, and only the cache changes it (`advance`,
     `reset`): the GPT writes new keys/values at slots length .. length+T-1, then advances the
@@ -12,19 +17,25 @@ class KVCache:
     never change (which is what lets decode be compiled).
     """
 
-    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, *,
+    def __init__(self, n_slots, batch_size, n_kv_head, max_len, key_dim, *, values_in_keys=0,
                  dtype=torch.float32, device=None):
-        shape = (batch_size, n_kv_head, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layer)]
+        shape = (batch_size, n_kv_head, max_len, key_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
+        if values_in_keys:
+            self.v = [k[..., :values_in_keys] for k in self.k]  # views: no memory of their own
+        else:
+            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
+        self.values_in_keys = values_in_keys
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0
 
-    def update(self, layer, input_pos, k, v):
-        """Write k, v (B, n_kv_head, T, hd) at slots input_pos (T,); return the whole layer."""
-        self.k[layer].index_copy_(2, input_pos, k.to(self.k[layer].dtype))
-        self.v[layer].index_copy_(2, input_pos, v.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]
+    def update(self, slot, input_pos, k, v=None):
+        """Write k (B, n_kv_head, T, key_dim), and v unless the values live in the keys, at
+        positions input_pos (T,); return the whole slot's K and V."""
+        self.k[slot].index_copy_(2, input_pos, k.to(self.k[slot].dtype))
+        if not self.values_in_keys:
+            self.v[slot].index_copy_(2, input_pos, v.to(self.v[slot].dtype))
+        return self.k[slot], self.v[slot]
 
     def advance(self, n: int) -> None:
         """Count n more positions as written. Callers check the room first (GPT.forward,
@@ -38,9 +49,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
+        """The memory the cache holds (values that are views of the keys count once)."""
+        return sum(t.nbytes for t in self.k + ([] if self.values_in_keys else self.v))
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one position of one sequence takes across all layers: 2·n_layer·n_kv_head·hd·dtype."""
+        """Bytes one position of one sequence takes across all slots (GPTConfig.kv_cache_formula)."""
         return self.nbytes // (self.batch_size * self.max_len)

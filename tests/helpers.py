@@ -13,6 +13,15 @@ from model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
+# Every kind of attention as tiny_config overrides (head dim 4): the n_kv_head variants, multi-head
+# latent attention, and cross-layer K/V sharing, also over a layer count it does not divide.
+ATTENTION = {
+    "mha": {}, "gqa": {"n_kv_head": 2}, "mqa": {"n_kv_head": 1},
+    "mla": {"mla_latent_dim": 6, "mla_rope_dim": 2},
+    "mqa_cla2": {"n_kv_head": 1, "kv_share": 2},
+    "gqa_cla2_3_layers": {"n_kv_head": 2, "kv_share": 2, "n_layer": 3},
+    "mla_cla2_3_layers": {"mla_latent_dim": 6, "mla_rope_dim": 2, "kv_share": 2, "n_layer": 3},
+}
 # The user's environment must not change what a test sees (an offline flag, a wandb key, ...).
 FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_", "TIKTOKEN_", "KVGPT_")
 

@@ -1,5 +1,6 @@
 """model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
-equal MHA on repeated K/V, the textbook formula)."""
+equal MHA on repeated K/V, the textbook formula, values wider or narrower than keys, an explicit
+scale)."""
 
 import pytest
 import torch
@@ -48,9 +49,32 @@ def test_attend_equals_textbook_formula():
     torch.testing.assert_close(attend(q, k, v), F.softmax(scores, -1) @ v)
 
 
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("d_k,d_v", [(24, 28), (80, 64)])
+@pytest.mark.parametrize("n_kv_head", [4, 1])
+@pytest.mark.parametrize("T,S", [(6, 6), (2, 6), (1, 6)])
+def test_values_of_another_width_than_keys(backend, d_k, d_v, n_kv_head, T, S):
+    """Seed 000's worked example (d_k = 24, d_v = 28), and MLA's absorbed shape (one K/V head of
+    width latent + RoPE, values the latent), against the textbook formula with a given scale."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, d_k, generator=g)
+    k, v = torch.randn(2, n_kv_head, S, d_k, generator=g), torch.randn(2, n_kv_head, S, d_v, generator=g)
+    for scale in (None, 0.3):
+        out = attend(q, k, v, backend=backend, scale=scale)
+        assert out.shape == (2, 4, T, d_v)
+        kr, vr = k.repeat_interleave(4 // n_kv_head, 1), v.repeat_interleave(4 // n_kv_head, 1)
+        scores = q @ kr.transpose(-2, -1) * (d_k**-0.5 if scale is None else scale)  # (2, 4, T, S)
+        scores = scores.masked_fill(~torch.ones(T, S, dtype=torch.bool).tril(S - T), float("-inf"))
+        torch.testing.assert_close(out, F.softmax(scores, -1) @ vr, atol=1e-5, rtol=0)
+
+
 def test_bad_shapes_and_backends_name_the_problem():
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
     with pytest.raises(ValueError, match="n_kv_head"):
         attend(q, k, k)
     with pytest.raises(ValueError, match="backend"):
         attend(q, q, q, backend="flash")
+    with pytest.raises(ValueError, match="q and k of one width"):
+        attend(q, torch.randn(1, 1, 5, 6), torch.randn(1, 1, 5, 8))
+    with pytest.raises(ValueError, match="v with k's heads and positions"):
+        attend(q, torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8))

@@ -48,11 +48,13 @@ def test_model_presets_only_set_gpt_config_fields():
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
-@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "mla", "mqa_cla2"])
 def test_every_experiment_composes(experiment, attention):
     cfg = compose(f"experiment={experiment}", f"attention={attention}")
     config = model_config(cfg.model, vocab_size=65)
-    assert {"mha": config.n_head, "gqa": 2, "mqa": 1}[attention] == config.n_kv_head
+    expected = {"mha": (config.n_head, None, 1), "gqa": (2, None, 1), "mqa": (1, None, 1),
+                "mla": (config.n_head, 64, 1), "mqa_cla2": (1, None, 2)}[attention]
+    assert (config.n_kv_head, config.mla_latent_dim, config.kv_share) == expected
     assert isinstance(OmegaConf.to_object(cfg.train), TrainConfig)
     assert isinstance(OmegaConf.to_object(cfg.data), DataConfig)
 
@@ -149,7 +151,10 @@ def test_study_options_name_themselves():
     for kwargs, message in [({"uptrain_lr": 0.0}, "study.uptrain_lr"),
                             ({"uptrain_iters": -1}, "study.uptrain_iters"),
                             ({"variants": []}, "study.variants is empty"),
-                            ({"uptrain_to": "mla"}, "study.uptrain_to: mla"),
+                            ({"uptrain_to": "alibi"}, "study.uptrain_to: alibi"),
+                            ({"variants": ["mha", "nope"]}, "study.variants: nope"),
+                            ({"uptrain_to": "mla"}, "study.uptrain_to=mla: mean-pooling"),
+                            ({"seeds": []}, "study.seeds"),
                             ({"decode_batch_sizes": [0]}, "study.decode_batch_sizes")]:
         with pytest.raises(ValueError, match=message):
             StudyConfig(**kwargs)

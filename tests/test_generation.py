@@ -6,13 +6,14 @@ import torch
 
 from model.checkpoint import load_model
 from model.generation import check_sampling, compile_decode_step, sample_next, stream
-from tests.helpers import VARIANTS, tiny_model
+from tests.helpers import ATTENTION, VARIANTS, tiny_model
 
 
-@pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_greedy_cache_equals_no_cache(n_kv_head, pos_emb):
-    model = tiny_model(n_kv_head=n_kv_head, pos_emb=pos_emb)
+def test_greedy_cache_equals_no_cache(attention, pos_emb):
+    """For MLA this is the absorbed form (cache) against the plain form (no cache)."""
+    model = tiny_model(pos_emb=pos_emb, **attention)
     idx = torch.randint(0, 37, (3, 6))
     cached = model.generate(idx, 18, temperature=0, kv_cache=True)   # 24 = block_size
     uncached = model.generate(idx, 18, temperature=0, kv_cache=False)
@@ -51,10 +52,11 @@ def test_cached_path_past_block_size_refills_from_recent_tokens():
     assert out[0, 9] == expected[0]
 
 
+@pytest.mark.parametrize("attention", ["gqa", "mla", "mqa_cla2", "mla_cla2_3_layers"])
 @pytest.mark.parametrize("kv_cache", [True, False])
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_batched_mixed_lengths_equal_one_by_one(kv_cache, pos_emb):
-    model = tiny_model(n_kv_head=2, pos_emb=pos_emb)
+def test_batched_mixed_lengths_equal_one_by_one(kv_cache, pos_emb, attention):
+    model = tiny_model(pos_emb=pos_emb, **ATTENTION[attention])
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
     batched = model.generate(prompts, 12, temperature=0, kv_cache=kv_cache)
     for prompt, row in zip(prompts, batched):

@@ -1,13 +1,15 @@
-"""model/gpt.py and model/kv_cache.py: MHA/GQA/MQA as one class, causality, the cache (prefill +
-decode = full forward, exact bytes, its length), left padding, config errors, a tiny overfit."""
+"""model/gpt.py and model/kv_cache.py: MHA/GQA/MQA as one class, MLA and cross-layer K/V sharing,
+causality, the cache (prefill + decode = full forward, exact bytes, its length), left padding,
+config errors, a tiny overfit."""
 
+import math
 import re
 
 import pytest
 import torch
 
 from model import GPT
-from tests.helpers import ROOT, VARIANTS, tiny_config
+from tests.helpers import ATTENTION, ROOT, VARIANTS, tiny_config
 
 
 def test_gqa_with_n_kv_head_equal_n_head_is_mha():
@@ -26,10 +28,11 @@ def test_fewer_kv_heads_mean_fewer_parameters():
     assert counts[0] - counts[1] == 2 * 2 * 2 * (16 * 4 + 4)
 
 
+@pytest.mark.parametrize("attention", ["gqa", "mla", "mqa_cla2"])
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("backend", ["sdpa", "naive"])
-def test_causality(pos_emb, backend):
-    model = GPT(tiny_config(pos_emb=pos_emb, attn_backend=backend, n_kv_head=2)).eval()
+def test_causality(pos_emb, backend, attention):
+    model = GPT(tiny_config(pos_emb=pos_emb, attn_backend=backend, **ATTENTION[attention])).eval()
     idx = torch.randint(0, 37, (1, 12))
     changed = idx.clone()
     changed[0, 6] = (idx[0, 6] + 1) % 37
@@ -38,11 +41,13 @@ def test_causality(pos_emb, backend):
     assert not torch.allclose(a[:, 6:], b[:, 6:])
 
 
-@pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
 @pytest.mark.parametrize("backend", ["sdpa", "naive"])
-def test_cache_prefill_then_decode_equals_full_forward(n_kv_head, pos_emb, backend):
-    config = tiny_config(n_kv_head=n_kv_head, pos_emb=pos_emb, attn_backend=backend, qk_norm=True)
+def test_cache_prefill_then_decode_equals_full_forward(attention, pos_emb, backend):
+    """For MLA: the absorbed form (with the cache) equals the plain form to 1e-5 in fp32."""
+    qk_norm = "mla_latent_dim" not in attention  # a per-head key norm cannot be absorbed
+    config = tiny_config(pos_emb=pos_emb, attn_backend=backend, qk_norm=qk_norm, **attention)
     model = GPT(config).eval()
     idx = torch.randint(0, 37, (3, 20))
     full = model(idx)
@@ -65,13 +70,42 @@ def test_left_padded_rows_equal_unpadded(pos_emb):
     assert not padded.isnan().any()
 
 
-@pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
-def test_cache_bytes_follow_the_formula(n_kv_head):
-    config = tiny_config(n_kv_head=n_kv_head)
-    cache = GPT(config).new_kv_cache(batch_size=3, max_len=10)
-    hd = config.n_embd // config.n_head
-    assert cache.nbytes == 2 * config.n_layer * n_kv_head * hd * 10 * 3 * 4
-    assert cache.bytes_per_token == 2 * config.n_layer * n_kv_head * hd * 4
+@pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_bytes_follow_the_formula(attention, dtype):
+    """Per token: (layers holding K/V) x (2 x n_kv_head x head dim, or MLA's latent + RoPE width)
+    x dtype bytes, where ceil(n_layer / kv_share) layers hold K/V."""
+    config = tiny_config(**attention)
+    cache = GPT(config).new_kv_cache(batch_size=3, max_len=10, dtype=dtype)
+    layers = math.ceil(config.n_layer / config.kv_share)
+    if config.mla_latent_dim is None:
+        per_layer = 2 * config.n_kv_head * (config.n_embd // config.n_head)
+    else:
+        per_layer = config.mla_latent_dim + config.mla_rope_dim
+    assert cache.bytes_per_token == layers * per_layer * dtype.itemsize
+    assert cache.nbytes == layers * per_layer * dtype.itemsize * 10 * 3
+    assert str(layers) in config.kv_cache_formula()
+
+
+@pytest.mark.parametrize("attention", ["mqa_cla2", "gqa_cla2_3_layers", "mla_cla2_3_layers"])
+def test_shared_layers_attend_over_their_groups_first_layers_keys_and_values(attention):
+    """With kv_share=2, layers 1 (and 3, ...) have no K/V projection and use exactly the tensors
+    layer 0 (2, ...) made, with the cache too."""
+    model = GPT(tiny_config(**ATTENTION[attention])).eval()
+    kv = {}
+    for i, block in enumerate(model.blocks):
+        block.attn.register_forward_hook(lambda mod, args, out, i=i: kv.__setitem__(i, out[1]))
+    for cache in (None, model.new_kv_cache(2)):
+        model(torch.randint(0, 37, (2, 5)), kv_cache=cache)
+        first = [t for t in (kv[0] if isinstance(kv[0], tuple) else (kv[0],))]
+        shared = [t for t in (kv[1] if isinstance(kv[1], tuple) else (kv[1],))]
+        assert all(a is b for a, b in zip(first, shared))
+        if model.config.n_layer == 3:
+            assert kv[2] is not kv[0]
+    unshared = GPT(tiny_config(**ATTENTION[attention] | {"kv_share": 1}))
+    sizes = [[sum(p.numel() for p in block.parameters()) for block in m.blocks] for m in (model, unshared)]
+    assert sizes[0][1] < sizes[1][1]  # layer 1 lost its K/V projection
+    assert sizes[0][0] == sizes[1][0] and sizes[0][2:] == sizes[1][2:]
 
 
 def test_cache_ratio_is_n_head_to_n_kv_head_to_one():
@@ -116,6 +150,15 @@ def test_cache_overflow_is_an_error():
     (dict(n_layer=0), "n_layer"),
     (dict(vocab_size=None), "vocab_size"),
     (dict(dropout=1.0), "dropout"),
+    (dict(kv_share=0), "kv_share"),
+    (dict(kv_share=3), "kv_share"),  # more than n_layer = 2
+    (dict(mla_latent_dim=0), "mla_latent_dim"),
+    (dict(mla_rope_dim=2), "mla_rope_dim"),  # without mla_latent_dim
+    (dict(mla_latent_dim=8, mla_rope_dim=-2), "mla_rope_dim"),
+    (dict(mla_latent_dim=8, pos_emb="rope"), "mla_rope_dim"),  # RoPE needs the RoPE key
+    (dict(mla_latent_dim=8, mla_rope_dim=3, pos_emb="rope"), "mla_rope_dim"),
+    (dict(mla_latent_dim=8, n_kv_head=2), "n_kv_head"),
+    (dict(mla_latent_dim=8, qk_norm=True), "qk_norm"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}\b"):
@@ -125,10 +168,12 @@ def test_invalid_config_names_the_field(overrides, field):
 @pytest.mark.parametrize("arch", [
     dict(),
     dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, tie_embeddings=False, bias=False),
+    dict(pos_emb="rope", mla_latent_dim=8, mla_rope_dim=2, n_kv_head=None),
+    dict(kv_share=2, n_kv_head=1),
 ])
 def test_tiny_model_overfits_one_batch(arch):
     torch.manual_seed(0)
-    model = GPT(tiny_config(n_kv_head=2, **arch))
+    model = GPT(tiny_config(**({"n_kv_head": 2} | arch)))
     idx = torch.randint(0, 37, (4, 17))
     x, y = idx[:, :-1], idx[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
