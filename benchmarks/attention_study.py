@@ -57,7 +57,7 @@ class StudyConfig:
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])  # each variant trains once per seed
     decode_context: int = 1024  # cached positions when decode speed is measured
     decode_batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
-    uptrain_iters: int = 300  # > 0: also convert each trained MHA model to uptrain_to and uptrain it
+    uptrain_iters: int = 100  # > 0: also convert each trained MHA model to uptrain_to and uptrain it
     uptrain_to: str = "gqa"
     uptrain_lr: float = 1e-3
 

@@ -1,23 +1,54 @@
-"""benchmarks/attention_study.py: the whole study on a tiny preset."""
+"""benchmarks/attention_study.py: the whole study on a tiny preset, and its noise rule."""
 
-from benchmarks.attention_study import run_study
+import math
+
+from benchmarks.attention_study import beyond_noise, pareto_front, run_study
 from tests.helpers import compose
 
 
 def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
     overrides = [o for o in tiny_run if not o.startswith("experiment=")]
-    cfg = compose(*overrides, "train.max_iters=4", "train.eval_interval=2", "study.uptrain_iters=2",
+    cfg = compose(*overrides, "experiment=shakespeare_char_cpu", "train.max_iters=4", "train.eval_interval=2",
+                  "study.uptrain_iters=2", "study.seeds=[0,1]", "study.decode_context=32",
                   "study.decode_batch_sizes=[1,4]", config_name="study")
     rows = run_study(cfg, tmp_path)
-    assert list(rows) == ["mha", "gqa", "mqa", "gqa uptrained from mha (2 steps)"]
-    assert rows["gqa uptrained from mha (2 steps)"]["n_kv_head"] == 2
+    uptrained = "gqa uptrained from mha (2 steps)"
+    assert list(rows) == ["mha", "gqa", "mqa", "mla", "mqa_cla2", uptrained]
     for name in ("study.md", "study.json", "val_loss.png", "val_vs_kv_bytes.png", "decode_by_batch.png"):
         assert (tmp_path / name).stat().st_size > 0, name
+    for variant in ("mha", "mla"):
+        assert all((tmp_path / variant / f"seed{s}" / "best.pt").is_file() for s in (0, 1))
     table = (tmp_path / "study.md").read_text()
-    assert table.count("\n") == 6 and "| gqa | 2 |" in table
-    # KV bytes per token = 2 · n_layer · n_kv_head · head_dim · 4 bytes: MHA : GQA : MQA = 4 : 2 : 1
-    mha, gqa, mqa = (rows[v]["kv_bytes_per_token"] for v in ("mha", "gqa", "mqa"))
-    assert mha == 2 * 2 * 4 * 4 * 4 and (mha, gqa) == (4 * mqa, 2 * mqa)
-    assert rows["mha"]["params"] > rows["gqa"]["params"] > rows["mqa"]["params"]
-    assert all(r["decode"][4] > 0 and r["train_tokens_per_s"] > 0 for r in rows.values())
-    assert all(len(rows[v]["val_curve"]) == 3 for v in ("mha", "gqa", "mqa"))
+    assert table.count("\n| ") == 7 and "| gqa | 2 layers x 2 (K, V) x 2 kv heads x 4 | 128 |" in table
+    # KV bytes per token (tiny: 2 layers, 4 heads of 4, fp32): MHA 2·2·4·4·4; GQA half; MQA a
+    # quarter; MQA + CLA2 an eighth; MLA 2 layers x (64 latent + 16 rope) x 4 bytes.
+    kv = {v: rows[v]["kv_bytes_per_token"] for v in rows}
+    assert kv["mha"] == 256 and (kv["gqa"], kv["mqa"], kv["mqa_cla2"]) == (128, 64, 32)
+    assert kv["mla"] == 2 * (64 + 16) * 4
+    for r in rows.values():
+        losses = r["val_losses"]
+        assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
+        assert math.isclose(r["val_loss_mean"], sum(losses) / 2)
+        assert math.isclose(r["val_loss_std"], abs(losses[0] - losses[1]) / math.sqrt(2))
+        assert all(r["decode"][b] > 0 for b in (1, 4)) and r["train_tokens_per_s"] > 0
+        assert [step for step, _ in r["val_curve"]] == ([0, 2, 4] if r is not rows[uptrained] else [0, 1, 2])
+    # Same seed, same data: two seeds of one variant differ, one seed run twice would not.
+    assert rows["mha"]["val_losses"][0] != rows["mha"]["val_losses"][1]
+
+
+def row(mean, std, bytes_per_token=0):
+    return {"val_loss_mean": mean, "val_loss_std": std, "val_losses": [mean - std, mean + std],
+            "kv_bytes_per_token": bytes_per_token}
+
+
+def test_a_difference_counts_only_beyond_the_seeds_spread():
+    assert beyond_noise(row(1.80, 0.01), row(1.83, 0.01))
+    assert not beyond_noise(row(1.80, 0.01), row(1.815, 0.01))
+    one_seed = {"val_loss_mean": 1.0, "val_loss_std": 0.0, "val_losses": [1.0]}
+    assert not beyond_noise(one_seed, row(2.0, 0.01))  # no spread measured: no claim
+
+
+def test_pareto_front_keeps_the_rows_nothing_beats_on_both_axes():
+    rows = {"big_good": row(1.80, 0.01, 4096), "small_bad": row(1.90, 0.01, 512),
+            "dominated": row(1.95, 0.01, 1024), "middle": row(1.85, 0.01, 1280)}
+    assert pareto_front(rows) == ["small_bad", "middle", "big_good"]
