@@ -11,8 +11,9 @@ from tests.helpers import assert_one_line_error, compose, read_metrics, run_cli,
 from train import train
 
 
-def test_conversion_to_n_head_leaves_logits_unchanged():
-    model = tiny_model(qk_norm=True)
+@pytest.mark.parametrize("kv_share", [1, 2])
+def test_conversion_to_n_head_leaves_logits_unchanged(kv_share):
+    model = tiny_model(qk_norm=True, kv_share=kv_share)
     config = model.config
     state, same = mean_pool_kv(model.state_dict(), config, 4)
     converted = GPT(same).eval()
@@ -21,9 +22,11 @@ def test_conversion_to_n_head_leaves_logits_unchanged():
     assert torch.equal(converted(idx), model(idx))
 
 
+@pytest.mark.parametrize("kv_share", [1, 2])
 @pytest.mark.parametrize("n_kv_head", [2, 1])
-def test_converted_model_loads_generates_and_shrinks_its_cache(n_kv_head):
-    model = tiny_model(qk_norm=True)
+def test_converted_model_loads_generates_and_shrinks_its_cache(n_kv_head, kv_share):
+    """With kv_share=2, layer 1 has no K/V to pool and the pooled cache is as much smaller."""
+    model = tiny_model(qk_norm=True, kv_share=kv_share)
     config = model.config
     state, new_config = mean_pool_kv(model.state_dict(), config, n_kv_head)
     converted = GPT(new_config).eval()
@@ -42,6 +45,9 @@ def test_bad_conversion_target_names_the_field():
     config = model.config
     with pytest.raises(ValueError, match="n_kv_head"):
         mean_pool_kv(model.state_dict(), config, 3)
+    mla = tiny_model(mla_latent_dim=8)
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        mean_pool_kv(mla.state_dict(), mla.config, 2)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from model import GPT
-from tests.helpers import ATTENTION, ROOT, VARIANTS, tiny_config
+from tests.helpers import ATTENTION, ROOT, tiny_config
 
 
 def test_gqa_with_n_kv_head_equal_n_head_is_mha():
