@@ -209,12 +209,13 @@ def write_table(rows: dict, path: Path, study) -> str:
 
 def pareto_front(rows: dict) -> list[str]:
     """The rows no other row beats on both KV bytes per token and mean val loss, by bytes."""
-    front = [n for n, r in rows.items()
-             if not any(o["kv_bytes_per_token"] <= r["kv_bytes_per_token"]
-                        and o["val_loss_mean"] <= r["val_loss_mean"] and o is not r
-                        and (o["kv_bytes_per_token"], o["val_loss_mean"]) != (r["kv_bytes_per_token"],
-                                                                              r["val_loss_mean"])
-                        for o in rows.values())]
+    def point(r):
+        return r["kv_bytes_per_token"], r["val_loss_mean"]
+
+    def beats(a, b):  # a is no worse on both axes, and better on one
+        return a != b and a[0] <= b[0] and a[1] <= b[1]
+
+    front = [n for n, r in rows.items() if not any(beats(point(o), point(r)) for o in rows.values())]
     return sorted(front, key=lambda n: rows[n]["kv_bytes_per_token"])
 
 

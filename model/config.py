@@ -112,4 +112,4 @@ class GPTConfig:
                 (", rounded up)" if self.n_layer % self.kv_share else ")")
         if self.mla_latent_dim is not None:
             return f"{layers} x ({self.mla_latent_dim} latent + {self.mla_rope_dim} rope)"
-        return f"{layers} x 2 (K, V) x {self.n_kv_head} kv heads x {self.head_dim}"
+        return f"{layers} x 2 (K, V) x {self.n_kv_head} kv head{'s' * (self.n_kv_head > 1)} x {self.head_dim}"

@@ -13,10 +13,11 @@ from tests.helpers import ROOT, clean_env, hf_gpt2
 
 TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train.eval_interval=1",
                  "train.eval_iters=1", "train.warmup_iters=1", "train.sample_tokens=20",
-                 "train.compile=false"]
+                 "train.compile=false", "train.full_val=false"]
 APPENDED = {  # what each command line gets appended (last wins in Hydra's overrides)
     "train.py": TINY_TRAINING,
-    "benchmarks/attention_study.py": [*TINY_TRAINING, "study.variants=[mha]", "study.uptrain_iters=2",
+    "benchmarks/attention_study.py": [*TINY_TRAINING, "study.variants=[mha]", "study.seeds=[0]",
+                                      "study.uptrain_iters=2", "study.decode_context=32",
                                       "study.decode_batch_sizes=[1,2]"],
     "generate.py": ["max_new_tokens=8"],
 }
