@@ -1,6 +1,6 @@
 """The attention study in one command: MHA, GQA, MQA, MLA and MQA with cross-layer sharing.
 
-    python benchmarks/attention_study.py                            # CPU default, ~15 minutes on 2 cores
+    python benchmarks/attention_study.py                            # CPU default, ~16 minutes on 2 cores
     python benchmarks/attention_study.py experiment=shakespeare_char # the GPU preset
 
 Trains each attention variant with everything else identical (data, steps, batch, width, and the
@@ -123,7 +123,7 @@ def decode_tokens_per_s(config, batch_size: int, context: int, device) -> float:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, block_size=context, dropout=0.0)).to(device).eval()
     cache = model.new_kv_cache(batch_size, context)
-    for t in cache.k + cache.v:
+    for t in cache.k + ([] if cache.values_in_keys else cache.v):
         t.normal_()
     cache.advance(context - 2 * DECODE_STEPS)
     token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -139,6 +139,8 @@ def decode_tokens_per_s(config, batch_size: int, context: int, device) -> float:
 def run_record(run_dir: Path, summary: dict) -> dict:
     """What one training run gives the study: its whole-val-split loss, its sampled val curve and
     its median training speed."""
+    if summary.get("interrupted"):  # train() saved ckpt.pt and said how to continue that run
+        raise KeyboardInterrupt
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
     return {"val_loss": summary["val_loss_full"],
@@ -263,14 +265,13 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     study = config_object(cfg.study, "study.")  # checks the study's options before anything trains
     device = pick_device(cfg.train.device, "train.device")
-    rows, runs_dir = {}, {}
+    rows = {}
     for variant in study.variants:
         runs = []
         for seed in study.seeds:
             print(f"=== training {variant}, seed {seed} ===", flush=True)
             run_dir = out_dir / variant / f"seed{seed}"
             runs.append(run_record(run_dir, train(variant_config(cfg, variant, seed), run_dir)))
-        runs_dir[variant] = run_dir
         rows[variant] = summarize(runs, run_dir, device, study)
     if study.uptrain_iters and "mha" in rows:
         name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from data.errors import run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from model import GPT
 from model.checkpoint import for_decoding, latest_run, load_model
@@ -134,8 +135,12 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    run_guarded(run, args)
+
+
+def run(args) -> None:
     char_shape(args.new)
-    main_job(args.ckpt or str(latest_run("outputs")), args.new)
+    main_job(args.ckpt or str(latest_run("outputs")), args.new)  # a non-Llama model: one-line error
 
 
 if __name__ == "__main__":

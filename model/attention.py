@@ -207,10 +207,10 @@ class LatentAttention(Attention):
         if rope is not None:
             q_rope = apply_rope(q_rope, *rope)
         if self.makes_kv:
-            c, k_rope = self.kv_down(x).unsqueeze(1).split([L, R], dim=-1)  # (B, 1, T, L), (B, 1, T, R)
+            c_raw, k_rope = self.kv_down(x).unsqueeze(1).split([L, R], dim=-1)  # (B, 1, T, L), (.., R)
             if rope is not None:
                 k_rope = apply_rope(k_rope, *rope)
-            latent = torch.cat([self.kv_norm(c), k_rope], dim=-1)         # (B, 1, T, L + R)
+            latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
                 latent, _ = kv_cache.update(self.kv_slot, input_pos, latent)  # (B, 1, max_len, L + R)
         else:

@@ -34,12 +34,8 @@ class GPTConfig:
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
-        if not isinstance(self.n_kv_head, int) or self.n_kv_head < 1:
-            raise ValueError(f"GPTConfig.n_kv_head must be an integer >= 1, got {self.n_kv_head!r}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "kv_share"):
+            check_int(self, name, 1)
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
@@ -48,9 +44,8 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}"
             )
-        if not isinstance(self.kv_share, int) or not 1 <= self.kv_share <= self.n_layer:
-            raise ValueError(f"GPTConfig.kv_share must be an integer in 1..n_layer={self.n_layer}, "
-                             f"got {self.kv_share!r}")
+        if self.kv_share > self.n_layer:
+            raise ValueError(f"GPTConfig.kv_share must be in 1..n_layer={self.n_layer}, got {self.kv_share}")
         self.check_mla()
         for name, allowed in OPTIONS.items():
             if getattr(self, name) not in allowed:
@@ -68,16 +63,13 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.norm_eps must be positive, got {self.norm_eps}")
 
     def check_mla(self) -> None:
-        if not isinstance(self.mla_rope_dim, int) or self.mla_rope_dim < 0:
-            raise ValueError(f"GPTConfig.mla_rope_dim must be an integer >= 0, got {self.mla_rope_dim!r}")
+        check_int(self, "mla_rope_dim", 0)
         if self.mla_latent_dim is None:
             if self.mla_rope_dim:
                 raise ValueError(f"GPTConfig.mla_rope_dim={self.mla_rope_dim} is for multi-head latent "
                                  f"attention: set mla_latent_dim too (or attention=mla)")
             return
-        if not isinstance(self.mla_latent_dim, int) or self.mla_latent_dim < 1:
-            raise ValueError(f"GPTConfig.mla_latent_dim must be a positive integer or null, "
-                             f"got {self.mla_latent_dim!r}")
+        check_int(self, "mla_latent_dim", 1)
         if self.n_kv_head != self.n_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not apply to multi-head latent "
                              f"attention (mla_latent_dim={self.mla_latent_dim}): every head has its own "
@@ -113,3 +105,10 @@ class GPTConfig:
         if self.mla_latent_dim is not None:
             return f"{layers} x ({self.mla_latent_dim} latent + {self.mla_rope_dim} rope)"
         return f"{layers} x 2 (K, V) x {self.n_kv_head} kv head{'s' * (self.n_kv_head > 1)} x {self.head_dim}"
+
+
+def check_int(config: GPTConfig, name: str, minimum: int) -> None:
+    """config.<name> is an integer (not a bool) >= minimum, or a ValueError naming the field."""
+    value = getattr(config, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"GPTConfig.{name} must be an integer >= {minimum}, got {value!r}")

@@ -59,7 +59,8 @@ def llama_weights(model) -> tuple[dict, dict]:
              "mla_latent_dim": None, "kv_share": 1}
     for field, value in llama.items():
         if getattr(c, field) != value:
-            raise ValueError(f"a Llama needs model.{field}={value}, this model has {getattr(c, field)!r}")
+            raise ValueError(f"a Llama needs model.{field}={'null' if value is None else value}, "
+                             f"this model has {getattr(c, field)!r}")
     hidden = model.blocks[0].mlp.proj.in_features
     config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": hidden,
               "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,

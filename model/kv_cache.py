@@ -4,7 +4,8 @@ import torch
 
 
 class KVCache:
-    """Per slot, K of shape (B, n_kv_head, max_len, key_dim) and V of (B, n_kv_head, max_len, hd).
+    """Per slot, K of shape (B, n_kv_head, max_len, key_dim) and V of the same shape, or, with
+    `values_in_keys=L`, V a view of K's first L columns.
 
     A slot is one layer's keys and values, or one group's when adjacent layers share them
     (`GPTConfig.kv_share`): n_slots = ceil(n_layer / kv_share). With `values_in_keys=L`, there

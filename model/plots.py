@@ -62,7 +62,11 @@ def plot_attention(model, ids: list[int], labels: list[str], layer: int, path) -
     """One heatmap per head of `layer`'s attention over the tokens `ids`, labelled `labels`."""
     weights = attention_weights(model, ids, layer)
     plt = pyplot()
-    n_head, group = weights.size(0), model.config.n_head // model.config.n_kv_head
+    config = model.config
+    n_head, group = weights.size(0), config.n_head // config.n_kv_head
+    # Which keys a head reads: its K/V head (MLA: its own up-projection of the latent), made by
+    # the first layer of this layer's group of kv_share layers.
+    source = "" if layer % config.kv_share == 0 else f" of layer {layer - layer % config.kv_share}"
     cols = min(4, n_head)
     rows = -(-n_head // cols)
     size = max(3.0, 0.25 * len(ids))
@@ -72,7 +76,8 @@ def plot_attention(model, ids: list[int], labels: list[str], layer: int, path) -
             ax.axis("off")
             continue
         ax.imshow(weights[h], cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"layer {layer}, head {h} (kv head {h // group})")
+        kv = f"latent{source}" if config.mla_latent_dim is not None else f"kv head {h // group}{source}"
+        ax.set_title(f"layer {layer}, head {h} ({kv})")
         ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=7)
         ax.set_yticks(range(len(ids)), labels, fontsize=7)
         ax.set(xlabel="key", ylabel="query")

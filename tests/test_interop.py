@@ -106,7 +106,7 @@ def test_llama_export_names_what_a_llama_cannot_hold():
     with pytest.raises(ValueError, match="model.pos_emb=rope"):
         llama_weights(tiny_model())
     llama_like = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False}
-    with pytest.raises(ValueError, match="model.mla_latent_dim=None"):
+    with pytest.raises(ValueError, match="model.mla_latent_dim=null"):
         llama_weights(tiny_model(mla_latent_dim=8, mla_rope_dim=2, **llama_like))
     with pytest.raises(ValueError, match="model.kv_share=1"):
         llama_weights(tiny_model(kv_share=2, **llama_like))
