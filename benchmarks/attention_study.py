@@ -35,13 +35,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from data.errors import check_command_line, config_object, run_guarded
 from model import GPT
-from model.checkpoint import load_model
+from model.checkpoint import load_model, read_metrics
 from model.convert import convert_checkpoint
 from model.device import pick_device, synchronized_clock
 from model.plots import pyplot, save_figure
 from train import train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
 
 
 def attention_option(name: str) -> dict:
@@ -86,7 +87,6 @@ class StudyConfig:
 
 
 ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)
-DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
 
 
 def variant_config(cfg: DictConfig, variant: str, seed: int) -> DictConfig:
@@ -141,7 +141,7 @@ def run_record(run_dir: Path, summary: dict) -> dict:
     its median training speed."""
     if summary.get("interrupted"):  # train() saved ckpt.pt and said how to continue that run
         raise KeyboardInterrupt
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(run_dir)
     speeds = sorted(r["tokens_per_s"] for r in records if "tokens_per_s" in r)
     return {"val_loss": summary["val_loss_full"],
             "val_curve": [(r["step"], r["val_loss"]) for r in records if "val_loss" in r],

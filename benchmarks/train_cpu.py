@@ -18,7 +18,6 @@ process start. Printed: a table and the ratios the project's targets are stated 
 """
 
 import argparse
-import json
 import re
 import shutil
 import subprocess
@@ -68,7 +67,7 @@ def run_nanogpt(checkout: Path, tmp: Path) -> dict:
 def run_ours(overrides: list[str], run_dir: Path) -> dict:
     wall, _ = timed([sys.executable, "train.py", *overrides, "train.sample_tokens=0",
                      f"hydra.run.dir={run_dir}"], ROOT)
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = checkpoint.read_metrics(run_dir)
     config = checkpoint.load(run_dir / "ckpt.pt").config
     train, model = config["train"], config["model"]
     tokens_per_step = train["batch_size"] * train["grad_accum"] * model["block_size"]

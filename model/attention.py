@@ -112,14 +112,12 @@ class Attention(nn.Module):
     def attend(self, q, k, v, attn_mask, scale=None):
         """`attend` with this layer's backend and dropout, causal unless a mask is given; with
         keep_weights, the textbook path, which keeps the attention weights."""
-        dropout_p = self.dropout if self.training else 0.0
+        out = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
+                     dropout_p=self.dropout if self.training else 0.0, scale=scale,
+                     backend="naive" if self.keep_weights else self.backend, return_weights=self.keep_weights)
         if self.keep_weights:
-            out, self.weights = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
-                                       dropout_p=dropout_p, backend="naive", return_weights=True,
-                                       scale=scale)
-            return out
-        return attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask, dropout_p=dropout_p,
-                      backend=self.backend, scale=scale)
+            out, self.weights = out
+        return out
 
 
 class CausalSelfAttention(Attention):
@@ -217,8 +215,8 @@ class LatentAttention(Attention):
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each
         scale = 1 / math.sqrt(hd + R)
-        c, k_rope = latent.split([L, R], dim=-1)                          # (B, 1, S, L), (B, 1, S, R)
         if kv_cache is None:  # plain form
+            c, k_rope = latent.split([L, R], dim=-1)                      # (B, 1, S, L), (B, 1, S, R)
             S = latent.size(2)
             k = torch.cat([c @ w_k.transpose(1, 2),                       # (B, n_head, S, hd)
                            k_rope.expand(B, self.n_head, S, R)], dim=-1)  # (B, n_head, S, hd + R)

@@ -8,9 +8,12 @@ which never unpickles arbitrary objects.
     ckpt = load(run_dir)                                  # its ckpt.pt, else best.pt
     model, ckpt = load_model(run_dir, "cpu")              # its best.pt, as a GPT in eval mode
     config, weights = init_from("path/to/gpt2")           # a Hugging Face GPT-2 dir or ours
+
+and the run dirs these live in: claim_run_dir, latest_run, read_metrics.
 """
 
 import dataclasses
+import json
 import math
 import os
 import random
@@ -278,6 +281,11 @@ def latest_run(root="outputs") -> Path:
         raise FileNotFoundError(f"ckpt is not set and {root}/ holds no run with a checkpoint: train one "
                                 f"with `python train.py`, or give ckpt=<run dir or checkpoint file>")
     return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
+
+
+def read_metrics(run_dir) -> list[dict]:
+    """The records of a run's metrics.jsonl (train.py writes one JSON object per line)."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def seed_rngs(seed: int) -> None:

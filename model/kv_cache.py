@@ -4,13 +4,12 @@ import torch
 
 
 class KVCache:
-    """Per slot, K of shape (B, n_kv_head, max_len, key_dim) and V of the same shape, or, with
-    `values_in_keys=L`, V a view of K's first L columns.
+    """Per slot, K and V of shape (B, n_kv_head, max_len, key_dim).
 
     A slot is one layer's keys and values, or one group's when adjacent layers share them
     (`GPTConfig.kv_share`): n_slots = ceil(n_layer / kv_share). With `values_in_keys=L`, there
-    is no separate V: the values are the first L columns of the keys (multi-head latent
-    attention caches one latent that serves as both), so only K takes memory.
+    is no separate V: each V is a view of its K's first L columns (multi-head latent attention
+    caches one latent that serves as both), so only K takes memory.
 
     `length` counts the positions written so far, and only the cache changes it (`advance`,
     `reset`): the GPT writes new keys/values at slots length .. length+T-1, then advances the

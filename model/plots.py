@@ -1,11 +1,12 @@
 """Figures: a run's loss curves (train.py's loss.png) and one layer's attention heatmaps
 (generate.py's attn_plot). matplotlib is imported only when a figure is drawn."""
 
-import json
 import logging
 from pathlib import Path
 
 import torch
+
+from model.checkpoint import read_metrics
 
 
 def pyplot():
@@ -30,7 +31,7 @@ def save_figure(fig, path, grid_axis: str = "both") -> None:
 def plot_losses(metrics_path: Path, png_path: Path) -> None:
     """Training loss per logged step, and train/val loss at each evaluation, from metrics.jsonl."""
     plt = pyplot()
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
+    records = read_metrics(Path(metrics_path).parent)
     fig, ax = plt.subplots(figsize=(6, 4))
     steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
     if steps:

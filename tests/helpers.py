@@ -1,7 +1,6 @@
 """Builders the tests share: the one tiny model config, the attention variants, the real Hydra
 config, one way to run a command line, and the metrics of a run dir."""
 
-import json
 import os
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig
+from model.checkpoint import read_metrics  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
@@ -83,8 +83,6 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -
                           timeout=timeout, env=clean_env(**(env or {})))
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, message: str) -> None:
