@@ -208,7 +208,7 @@ class RunLog:
     seconds since the loop started, evaluations included."""
 
     def __init__(self, run_dir: Path, wandb_run, master: bool, step: int, max_iters: int):
-        self.path, self.master, self.max_iters = run_dir / "metrics.jsonl", master, max_iters
+        self.path, self.master, self.max_iters = run_dir / checkpoint.METRICS_FILE, master, max_iters
         self.wandb = wandb_run
         self.bar = tqdm(total=max_iters, initial=step, desc="train", dynamic_ncols=True,
                         disable=not (master and sys.stderr.isatty()))
@@ -425,7 +425,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
             f"python train.py train.resume={run_dir}")
         return {"interrupted": stop[0], "step": run.step, "checkpoint": path, "run_dir": run_dir}
     if master:
-        plot_losses(log.path, run_dir / "loss.png")
+        plot_losses(run_dir, run_dir / "loss.png")
         if tcfg.sample_tokens > 0:
             print_sample(raw_model, meta, tcfg.sample_tokens, tcfg.seed)
         say(f"best val loss {run.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")

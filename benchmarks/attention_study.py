@@ -23,6 +23,7 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import combinations
 from pathlib import Path
 from statistics import mean, stdev
@@ -123,7 +124,7 @@ def decode_tokens_per_s(config, batch_size: int, context: int, device) -> float:
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, block_size=context, dropout=0.0)).to(device).eval()
     cache = model.new_kv_cache(batch_size, context)
-    for t in cache.k + ([] if cache.values_in_keys else cache.v):
+    for t in cache.buffers:
         t.normal_()
     cache.advance(context - 2 * DECODE_STEPS)
     token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -259,6 +260,17 @@ def plot(rows: dict, out_dir: Path, study) -> None:
     save_figure(fig, out_dir / "decode_by_batch.png")
 
 
+def train_row(label: str, row_dir: Path, config_for_seed, device, study) -> dict:
+    """Train once per seed into row_dir/seed<seed>, with the config `config_for_seed(seed)`
+    returns, and summarize the runs as one row of the table."""
+    runs = []
+    for seed in study.seeds:
+        print(f"=== {label}, seed {seed} ===", flush=True)
+        run_dir = row_dir / f"seed{seed}"
+        runs.append(run_record(run_dir, train(config_for_seed(seed), run_dir)))
+    return summarize(runs, run_dir, device, study)
+
+
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     """Train every variant once per seed into out_dir/<variant>/seed<seed>, measure them, write
     study.md, study.json and the plots."""
@@ -267,21 +279,15 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     device = pick_device(cfg.train.device, "train.device")
     rows = {}
     for variant in study.variants:
-        runs = []
-        for seed in study.seeds:
-            print(f"=== training {variant}, seed {seed} ===", flush=True)
-            run_dir = out_dir / variant / f"seed{seed}"
-            runs.append(run_record(run_dir, train(variant_config(cfg, variant, seed), run_dir)))
-        rows[variant] = summarize(runs, run_dir, device, study)
+        rows[variant] = train_row(f"training {variant}", out_dir / variant,
+                                  partial(variant_config, cfg, variant), device, study)
     if study.uptrain_iters and "mha" in rows:
         name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"
-        runs = []
-        for seed in study.seeds:
-            print(f"=== {name}, seed {seed} ===", flush=True)
-            run_dir = out_dir / "uptrained" / f"seed{seed}"
-            target = uptrain_config(cfg, out_dir / "mha" / f"seed{seed}", out_dir, seed)
-            runs.append(run_record(run_dir, train(target, run_dir)))
-        rows[name] = summarize(runs, run_dir, device, study)
+
+        def uptrained(seed):
+            return uptrain_config(cfg, out_dir / "mha" / f"seed{seed}", out_dir, seed)
+
+        rows[name] = train_row(name, out_dir / "uptrained", uptrained, device, study)
     table = write_table(rows, out_dir / "study.md", study)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out_dir, study)

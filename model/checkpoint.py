@@ -36,7 +36,8 @@ except ImportError:
     fcntl = None
 
 RUN_FILES = ("ckpt.pt", "best.pt")  # what a run dir holds: the last state, and the best val loss
-RUN_MARKERS = (*RUN_FILES, "metrics.jsonl")  # a folder holding any of these holds a run
+METRICS_FILE = "metrics.jsonl"  # one JSON record per line, written by train.py's RunLog
+RUN_MARKERS = (*RUN_FILES, METRICS_FILE)  # a folder holding any of these holds a run
 LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
 
 
@@ -285,7 +286,7 @@ def latest_run(root="outputs") -> Path:
 
 def read_metrics(run_dir) -> list[dict]:
     """The records of a run's metrics.jsonl (train.py writes one JSON object per line)."""
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
 
 
 def seed_rngs(seed: int) -> None:

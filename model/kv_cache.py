@@ -48,9 +48,14 @@ class KVCache:
         self.length = 0
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The tensors that hold the cache's memory: every K, and every V that is not a view of its K."""
+        return self.k + ([] if self.values_in_keys else self.v)
+
+    @property
     def nbytes(self) -> int:
         """The memory the cache holds (values that are views of the keys count once)."""
-        return sum(t.nbytes for t in self.k + ([] if self.values_in_keys else self.v))
+        return sum(t.nbytes for t in self.buffers)
 
     @property
     def bytes_per_token(self) -> int:

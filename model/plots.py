@@ -28,10 +28,11 @@ def save_figure(fig, path, grid_axis: str = "both") -> None:
     pyplot().close(fig)
 
 
-def plot_losses(metrics_path: Path, png_path: Path) -> None:
-    """Training loss per logged step, and train/val loss at each evaluation, from metrics.jsonl."""
+def plot_losses(run_dir: Path, png_path: Path) -> None:
+    """Training loss per logged step, and train/val loss at each evaluation, from the run's
+    metrics.jsonl."""
     plt = pyplot()
-    records = read_metrics(Path(metrics_path).parent)
+    records = read_metrics(run_dir)
     fig, ax = plt.subplots(figsize=(6, 4))
     steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
     if steps:

@@ -26,6 +26,11 @@ ATTENTION = {
 FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_", "TIKTOKEN_", "KVGPT_")
 
 
+def step_losses(run_dir) -> dict:
+    """{step: training loss} from a run's metrics.jsonl."""
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
 def tiny_config(**overrides) -> GPTConfig:
     """A few-thousand-parameter GPT: vocab 37, block 24, 2 layers, 4 heads, 16 wide."""
     return GPTConfig(**{"vocab_size": 37, "block_size": 24, "n_layer": 2, "n_head": 4, "n_embd": 16}

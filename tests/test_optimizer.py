@@ -6,7 +6,7 @@ import torch
 
 from model import checkpoint
 from model.optimizer import MuonAndAdamW, configure_optimizer
-from tests.helpers import compose, read_metrics, tiny_model
+from tests.helpers import compose, read_metrics, step_losses, tiny_model
 from train import train
 
 
@@ -39,8 +39,8 @@ def test_muon_trains_checkpoints_and_resumes_bit_identically(tiny_run, tmp_path)
     straight = train(compose(*muon), tmp_path / "straight")
     train(compose(*muon, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
     train(compose(*muon, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
-    losses = lambda d: {m["step"]: m["loss"] for m in read_metrics(d) if "loss" in m}
-    assert losses(tmp_path / "second") == {s: v for s, v in losses(tmp_path / "straight").items() if s > 6}
+    straight_losses = step_losses(tmp_path / "straight")
+    assert step_losses(tmp_path / "second") == {s: v for s, v in straight_losses.items() if s > 6}
     a, b = checkpoint.load(tmp_path / "straight"), checkpoint.load(tmp_path / "second")
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
     assert set(a.optimizer) == {"muon", "adamw"} and a.optimizer["muon"]["state"]  # momentum saved

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from model import checkpoint
-from tests.helpers import ROOT, assert_one_line_error, clean_env, compose, read_metrics, run_cli
+from tests.helpers import ROOT, assert_one_line_error, clean_env, compose, read_metrics, run_cli, step_losses
 from train import changed_on_command_line, lr_at, resume_config, train
 
 
@@ -44,9 +44,9 @@ def test_resume_is_bit_identical(tiny_run, tmp_path):
     # the first half stops at 6 but keeps the 12-step schedule, as an interrupted run would
     train(compose(*tiny_run, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
     train(compose(*tiny_run, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
-    losses = lambda d: {m["step"]: m["loss"] for m in read_metrics(d) if "loss" in m}
-    assert len(losses(tmp_path / "second")) == 6
-    assert losses(tmp_path / "second") == {s: v for s, v in losses(tmp_path / "straight").items() if s > 6}
+    assert len(step_losses(tmp_path / "second")) == 6
+    straight_losses = step_losses(tmp_path / "straight")
+    assert step_losses(tmp_path / "second") == {s: v for s, v in straight_losses.items() if s > 6}
     assert straight["best_val"] == checkpoint.load(tmp_path / "second").best_val
     a, b = checkpoint.load(tmp_path / "straight"), checkpoint.load(tmp_path / "second")
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
