@@ -27,7 +27,7 @@ from hydra.core.config_store import ConfigStore
 
 from data.errors import check_command_line, config_object, run_guarded
 from data.prepare import read_text_files
-from data.tokenizer import tokenizer_from_meta
+from data.tokenizer import TextStream, tokenizer_from_meta
 from model.checkpoint import latest_run, load_model
 from model.device import check_device, decode_precision
 from model.generation import check_sampling, compile_decode_step, left_pad, stream, timed_stream
@@ -48,7 +48,7 @@ class GenerateConfig:
     top_k: int | None = 200
     top_p: float | None = None
     stop: str | None = None        # a string that ends a sample
-    seed: int = 1337
+    seed: int = 1337               # sample j of each prompt draws from seed + j
     kv_cache: bool = True
     compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
     dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.decode_precision)
@@ -134,6 +134,9 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     model, ckpt = load_model(source, cfg.device, cfg.dtype, cfg.quantize)
     device = model.wte.weight.device
     tokenizer = tokenizer_from_meta(ckpt.data_meta)
+    if model.config.vocab_size < tokenizer.vocab_size:
+        raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
+                         f"{tokenizer.name} tokenizer's {tokenizer.vocab_size}: a mismatched checkpoint")
     encoded = [tokenizer.encode(p) for p in prompts]
     if cfg.attn_plot:
         ids = encoded[0][-model.config.block_size:]
@@ -146,34 +149,49 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         return []
 
     idx, pad = left_pad(encoded, device)
-    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    # Sample j of each prompt draws from seed + j, so every sample is the one `seed=<seed + j>`
+    # gives for that prompt alone, however the prompts are batched.
+    generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
+                  for i in range(len(prompts))]
     tokens = stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                    top_p=cfg.top_p, kv_cache=cfg.kv_cache, generator=generator, pad=pad,
-                    decode_step=decode_step)
-    new_ids = [[] for _ in prompts]
-    texts = [""] * len(prompts)
+                    top_p=cfg.top_p, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
+                    decode_step=decode_step, vocab_size=tokenizer.vocab_size)
+    texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
+    return [p + t for p, t in zip(prompts, texts)]
+
+
+def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) -> list[str]:
+    """Decode each row's new tokens (`stream`'s steps) up to and including `stop`; print a single
+    sample as it grows, several once done. Returns each sample's new text."""
+    streams = [TextStream(tokenizer) for _ in prompts]
+    texts, done = [""] * len(prompts), [False] * len(prompts)
     streaming = len(prompts) == 1
     if streaming:
         print(prompts[0], end="", file=out, flush=True)
+
+    def extend(row: int, piece: str) -> None:
+        text = texts[row] + piece
+        if stop and (at := text.find(stop, max(0, len(texts[row]) - len(stop) + 1))) >= 0:
+            text, done[row] = text[:at + len(stop)], True
+        if streaming:
+            print(text[len(texts[row]):], end="", file=out, flush=True)
+        texts[row] = text
+
     for step_tokens in tokens:
         for row, token in enumerate(step_tokens.tolist()):
-            if cfg.stop and cfg.stop in texts[row]:
-                continue
-            new_ids[row].append(token)
-            text = tokenizer.decode(new_ids[row])
-            if cfg.stop and cfg.stop in text:
-                text = text[: text.index(cfg.stop) + len(cfg.stop)]
-            if streaming:
-                print(text[len(texts[row]):], end="", file=out, flush=True)
-            texts[row] = text
-        if cfg.stop and all(cfg.stop in t for t in texts):
+            if not done[row]:
+                extend(row, streams[row].add(token))
+        if all(done):
             break
+    for row in range(len(prompts)):
+        if not done[row]:
+            extend(row, streams[row].end())
     if streaming:
         print(file=out)
     else:
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             print(f"{'=' * 20} sample {i + 1}/{len(prompts)} {'=' * 20}\n{prompt}{text}", file=out)
-    return [p + t for p, t in zip(prompts, texts)]
+    return texts
 
 
 def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None) -> None:

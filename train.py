@@ -262,7 +262,8 @@ def print_sample(model: GPT, meta: dict, n_tokens: int, seed: int) -> None:
     device = model.wte.weight.device
     prompt = torch.tensor([tokenizer.encode("\n")], device=device)
     g = torch.Generator(device=device).manual_seed(seed)
-    out = model.eval().generate(prompt, n_tokens, temperature=0.8, top_k=200, generator=g)
+    out = model.eval().generate(prompt, n_tokens, temperature=0.8, top_k=200, generator=g,
+                                vocab_size=tokenizer.vocab_size)
     say(f"--- sample ---{tokenizer.decode(out[0].tolist())}\n--- end of sample ---")
 
 

@@ -1,7 +1,9 @@
-"""Tokenizers with one small interface: encode, decode, vocab_size, name. GPT-2's BPE ranks ship
-with the package (data/assets/gpt2.tiktoken), so nothing is downloaded."""
+"""Tokenizers with one small interface: encode, decode, token_bytes, vocab_size, name; and
+TextStream, the text of tokens that come one at a time. GPT-2's BPE ranks ship with the package
+(data/assets/gpt2.tiktoken), so nothing is downloaded."""
 
 import base64
+import codecs
 import hashlib
 from pathlib import Path
 
@@ -40,6 +42,9 @@ class CharTokenizer:
     def decode(self, ids) -> str:
         return "".join(self.chars[i] for i in ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        return self.chars[token].encode()
+
 
 class BPETokenizer:
     """GPT-2's byte-level BPE through tiktoken: 50,257 tokens, <|endoftext|> = 50256."""
@@ -58,7 +63,29 @@ class BPETokenizer:
         return self.encoding.encode_ordinary(text)  # special tokens in text stay plain text
 
     def decode(self, ids) -> str:
-        return self.encoding.decode(list(ids))
+        return self.encoding.decode(list(ids))  # bytes that are not UTF-8 become U+FFFD
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token)
+
+
+class TextStream:
+    """The text of tokens given one at a time, for printing as they come. A token may end inside
+    a character (GPT-2 writes ’ as two tokens of UTF-8 bytes): that character is held back until
+    its last byte comes, so the pieces returned join to exactly `tokenizer.decode` of all the
+    tokens, never a replacement character where the text has none."""
+
+    def __init__(self, tokenizer):
+        self.token_bytes = tokenizer.token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token: int) -> str:
+        """The text that this token completes (often all of it; "" while a character is cut)."""
+        return self.decoder.decode(self.token_bytes(token))
+
+    def end(self) -> str:
+        """What is held back at the end: U+FFFD for bytes that never made a character."""
+        return self.decoder.decode(b"", final=True)
 
 
 def gpt2_encoding(bpe_path=GPT2_BPE_PATH) -> tiktoken.Encoding:

@@ -8,7 +8,8 @@ compiled one-token decode step, and timing.
 in the same order, so while prompt + new tokens fit in block_size they produce the same tokens
 with the same seed. Past it they differ by design: the uncached reference crops the context to
 the last block_size tokens at every step, while the cache is refilled once from the last
-block_size // 2 and then grows again.
+block_size // 2 and then grows again. Either way, each row of a batch is generated exactly as
+its prompt would be alone: its own positions, its own context, its own refills.
 """
 
 import math
@@ -34,7 +35,9 @@ def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None)
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token per row from logits (B, vocab): greedy at temperature 0, else softmax sampling
-    restricted to the top_k tokens and to the smallest set whose probability reaches top_p."""
+    restricted to the top_k tokens and to the smallest set whose probability reaches top_p.
+    `generator` is one torch.Generator for the batch, or a list of one per row: then each row
+    draws exactly what it would draw alone with its generator."""
     check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -49,6 +52,8 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = F.softmax(logits, dim=-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(row[None], 1, generator=g)[0] for row, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
@@ -72,13 +77,13 @@ def left_pad(prompts, device):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-             kv_cache=True, generator=None):
+             kv_cache=True, generator=None, vocab_size=None):
     """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
     prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
     tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy."""
     prompts, pad = left_pad(idx, model.wte.weight.device)
     new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad))
+                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad, vocab_size=vocab_size))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
     if isinstance(idx, torch.Tensor):
         return out
@@ -88,14 +93,15 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-           kv_cache=True, generator=None, pad=None, decode_step=None):
+           kv_cache=True, generator=None, pad=None, decode_step=None, vocab_size=None):
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     Without the cache, each step runs the whole context, cropped to block_size: the reference.
     With it, the prompt is prefilled once and each step feeds one token to a static KVCache.
-    When the cache is full, it is refilled from the most recent block_size // 2 tokens, so
-    generation goes on past block_size for learned and RoPE positions alike. `decode_step`
-    (from `compile_decode_step`) replaces the eager one-token step.
+    When the cache is full, `make_room` refills it, so generation goes on past block_size for
+    learned and RoPE positions alike. `decode_step` (from `compile_decode_step`) replaces the
+    eager one-token step. `vocab_size` limits sampling to the ids below it (a tokenizer's, when
+    the model's vocabulary is padded past it).
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     block_size = model.config.block_size
@@ -104,34 +110,54 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
     length = T
     cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens)) if kv_cache else None
+    step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
-    logits = run_context(model, tokens[:, :length], block_size, cache, pad)  # prefill
+    # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
+    logits, cache_pad = run_context(model, tokens[:, :length], block_size, cache, pad)  # prefill
     for i in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)      # (B,)
+        token = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         yield token
         if i == max_new_tokens - 1:
             break
         tokens[:, length] = token
         length += 1
         if cache is None:
-            logits = run_context(model, tokens[:, :length], block_size, cache, pad)
-        elif cache.length == cache.max_len:
-            logits = run_context(model, tokens[:, :length], max(1, block_size // 2), cache, pad)
-        elif decode_step is not None:
-            logits = decode_step(token[:, None], cache, pad)
-        else:
-            logits = model(token[:, None], kv_cache=cache, pad=pad)[:, -1]
+            logits, _ = run_context(model, tokens[:, :length], block_size, None, pad)
+            continue
+        if cache.length == cache.max_len:
+            cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad)
+        logits = step(token[:, None], cache, cache_pad)
 
 
 def run_context(model, tokens, context_len, cache=None, pad=None):
-    """Logits (B, vocab) after the last context_len of `tokens` (B, length), run from scratch
-    (into an emptied cache, if one is given)."""
+    """(logits (B, vocab) after the last context_len of `tokens` (B, length), run from scratch
+    into an emptied cache if one is given; the padding (B,) of that context, or None)."""
     length = tokens.size(1)
     context = tokens[:, max(0, length - context_len):]                   # (B, <= context_len)
     context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
     if cache is not None:
         cache.reset()
-    return model(context, kv_cache=cache, pad=context_pad)[:, -1]
+    return model(context, kv_cache=cache, pad=context_pad)[:, -1], context_pad
+
+
+def make_room(model, tokens, cache, pad):
+    """Free slots in a full cache, as each row would alone. A row whose context fills the cache
+    (no pad slot left) keeps its last block_size // 2 - 1 tokens, recomputed at positions from 0;
+    with the next token they make the block_size // 2 it restarts from. Every other row keeps its
+    whole context, as it would alone, where its cache is not full yet: its keys and values move
+    to earlier slots, and its padding shrinks by as much, so their positions stay. tokens
+    (B, length) ends with the cached context; pad (B,) or None. Returns the new pad."""
+    keep = max(model.config.block_size // 2, 1) - 1
+    full = torch.ones(tokens.size(0), dtype=torch.bool, device=tokens.device) if pad is None else pad == 0
+    kept = torch.where(full, keep, cache.length - (0 if pad is None else pad))  # (B,) tokens kept
+    n = int(kept.max())
+    cache.keep_last(n)
+    if keep:
+        rows = full.nonzero().squeeze(1)                                 # (rows,)
+        refill = model.new_kv_cache(len(rows), keep)
+        model(tokens[rows, -keep:], kv_cache=refill)
+        cache.write_rows(rows, n - keep, refill)
+    return None if pad is None else n - kept
 
 
 def compile_decode_step(model):

@@ -47,6 +47,19 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def keep_last(self, n: int) -> None:
+        """Keep the last n written positions, moved to slots 0 .. n-1. What a slot holds does not
+        depend on the slot (RoPE rotates by position, and the caller's pad keeps the positions)."""
+        for t in self.buffers:
+            t[:, :, :n] = t[:, :, self.length - n:self.length].clone()  # (B, heads, n, dim); overlapping
+        self.length = n
+
+    def write_rows(self, rows, start: int, source: "KVCache") -> None:
+        """Copy the positions written in `source` into batch rows `rows` (a LongTensor with one
+        per row of source), at slots start .. start + source.length - 1."""
+        for t, s in zip(self.buffers, source.buffers):
+            t[rows, :, start:start + source.length] = s[:, :, :source.length].to(t.dtype)
+
     @property
     def buffers(self) -> list[torch.Tensor]:
         """The tensors that hold the cache's memory: every K, and every V that is not a view of its K."""

@@ -22,6 +22,8 @@ ATTENTION = {
     "gqa_cla2_3_layers": {"n_kv_head": 2, "kv_share": 2, "n_layer": 3},
     "mla_cla2_3_layers": {"mla_latent_dim": 6, "mla_rope_dim": 2, "kv_share": 2, "n_layer": 3},
 }
+# Text whose characters take 2 to 4 bytes of UTF-8 (GPT-2's BPE cuts ’ and “ into two tokens).
+MULTI_BYTE = "A’’’’ “quoted” — naïve café, 日本語 🎭 done\n"
 # The user's environment must not change what a test sees (an offline flag, a wandb key, ...).
 FOREIGN_ENV = ("HF_", "WANDB_", "HYDRA_", "TIKTOKEN_", "KVGPT_")
 

@@ -2,6 +2,7 @@
 and batches."""
 
 import dataclasses
+import random
 import subprocess
 import sys
 
@@ -11,8 +12,8 @@ import torch
 
 from data.batches import Batches
 from data.prepare import TINYSHAKESPEARE_PATH, load_prepared, prepare
-from data.tokenizer import BPETokenizer, CharTokenizer, gpt2_encoding, tokenizer_from_meta
-from tests.helpers import ROOT, assert_one_line_error, clean_env, data_config, run_cli
+from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
+from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, clean_env, data_config, run_cli
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -45,6 +46,27 @@ def test_round_trip_whole_corpus(kind, char_data, bpe_data):
     # The prepared arrays decode back to the two halves of the text, split at 90% of characters.
     cut = int(len(text) * 0.9)
     assert tok.decode(train.tolist()) == text[:cut] and tok.decode(val.tolist()) == text[cut:]
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_text_stream_pieces_join_to_the_decoded_text(kind):
+    """Tokens one at a time: what has been streamed is always a prefix of the whole text, and all of
+    it equals `decode`. For BPE, also random runs of single-byte tokens: characters cut at every
+    byte, and bytes that never make a character (U+FFFD, as decode gives)."""
+    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else BPETokenizer()
+    sequences = [tok.encode(MULTI_BYTE)]
+    if kind == "bpe":
+        byte_tokens = [tok.encoding.encode_single_token(bytes([b])) for b in range(256)]
+        rng = random.Random(0)
+        sequences += [[rng.choice(byte_tokens) if rng.random() < 0.8 else rng.randrange(50257)
+                       for _ in range(rng.randint(1, 12))] for _ in range(500)]
+    for ids in sequences:
+        whole, stream, streamed = tok.decode(ids), TextStream(tok), ""
+        for token in ids:
+            streamed += stream.add(token)
+            assert whole.startswith(streamed)
+        assert streamed + stream.end() == whole
+    assert "\ufffd" not in "".join(map(TextStream(tok).add, tok.encode(MULTI_BYTE)))
 
 
 def test_char_oov_error_names_the_characters():

@@ -1,14 +1,16 @@
 """generate.py, the command line: streaming, batching, stop strings, the benchmark and heatmaps,
 and one-line errors."""
 
+import io
 import os
 import shutil
 
 import pytest
 import torch
 
-from generate import GenerateConfig, quote_literal_options, sample
-from tests.helpers import ROOT, assert_one_line_error, compose, run_cli
+from data.tokenizer import BPETokenizer, CharTokenizer
+from generate import GenerateConfig, print_samples, quote_literal_options, sample
+from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli
 
 
 def generate_cli(*args, cwd=ROOT):
@@ -19,6 +21,22 @@ def test_cli_streams_one_sample(tiny_ckpt):
     result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=40")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) >= 46
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_samples_print_their_whole_text_streamed_or_not(kind, rows):
+    """The tokens of text with multi-byte characters, one per step as `stream` yields them: a single
+    sample streams exactly its final text (no U+FFFD for a character cut across tokens), several
+    print theirs at the end; a stop string ends each at its end."""
+    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else BPETokenizer()
+    steps = [torch.tensor([token] * rows) for token in tok.encode(MULTI_BYTE)]
+    for stop, text in [(None, MULTI_BYTE), ("”", MULTI_BYTE[:MULTI_BYTE.index("”") + 1])]:
+        out = io.StringIO()
+        assert print_samples(["P"] * rows, iter(steps), tok, stop, out) == [text] * rows
+        printed = f"P{text}\n" if rows == 1 else "".join(f"{'=' * 20} sample {i}/2 {'=' * 20}\nP{text}\n"
+                                                         for i in (1, 2))
+        assert out.getvalue() == printed
 
 
 def test_cli_cache_and_no_cache_agree(tiny_ckpt):
@@ -41,6 +59,17 @@ def test_cli_prompt_file_and_samples(tiny_ckpt, tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("==== sample ") == 4
     assert "sample 4/4 ====================\nJULIET: O" in result.stdout
+
+
+def test_each_sample_is_what_its_seed_gives_for_its_prompt_alone(tiny_ckpt, tmp_path):
+    """Sample j of each prompt draws from seed + j; the rows refill the cache (block_size 32) at
+    different steps."""
+    lines = ["ROMEO", "First Citizen: Before we proceed"]
+    (tmp_path / "p.txt").write_text("\n".join(lines))
+    run = lambda **kw: sample(GenerateConfig(ckpt=str(tiny_ckpt), max_new_tokens=40, **kw), out=io.StringIO())
+    batched = run(prompt_file=str(tmp_path / "p.txt"), num_samples=2, seed=3)
+    assert batched == [run(prompt=line, seed=3 + j)[0] for line in lines for j in (0, 1)]
+    assert batched[0] != batched[1]
 
 
 def test_cli_stop_string(tiny_ckpt):

@@ -1,11 +1,14 @@
 """model/generation.py: cached and uncached paths agree, sampling options, batched prompts,
 generation past block_size, the compiled decode step."""
 
+import itertools
+import random
+
 import pytest
 import torch
 
 from model.checkpoint import load_model
-from model.generation import check_sampling, compile_decode_step, sample_next, stream
+from model.generation import check_sampling, compile_decode_step, left_pad, sample_next, stream
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
 
 
@@ -52,16 +55,32 @@ def test_cached_path_past_block_size_refills_from_recent_tokens():
     assert out[0, 9] == expected[0]
 
 
-@pytest.mark.parametrize("attention", ["gqa", "mla", "mqa_cla2", "mla_cla2_3_layers"])
-@pytest.mark.parametrize("kv_cache", [True, False])
+@pytest.mark.parametrize("attention", ATTENTION.keys())
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
-def test_batched_mixed_lengths_equal_one_by_one(kv_cache, pos_emb, attention):
-    model = tiny_model(pos_emb=pos_emb, **ATTENTION[attention])
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11]]
-    batched = model.generate(prompts, 12, temperature=0, kv_cache=kv_cache)
-    for prompt, row in zip(prompts, batched):
-        alone = model.generate(torch.tensor([prompt]), 12, temperature=0, kv_cache=kv_cache)[0]
-        assert torch.equal(row, alone)
+def test_each_row_of_a_batch_is_generated_as_it_would_be_alone(attention, pos_emb):
+    """Random batch sizes, prompt lengths (some past block_size) and max_new_tokens (most past the
+    cache's length, so rows refill at different steps); cached and uncached, greedy and seeded
+    (one generator per row)."""
+    model = tiny_model(pos_emb=pos_emb, block_size=8, **ATTENTION[attention])
+    rng = random.Random(f"{attention} {pos_emb}")
+    for _ in range(2):
+        prompts = [[rng.randrange(37) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(2, 4))]
+        new = rng.randint(1, 24)
+        for kv_cache, temperature in itertools.product((True, False), (0, 1.0)):
+            generators = lambda: [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
+            batched = model.generate(prompts, new, temperature=temperature, kv_cache=kv_cache,
+                                     generator=generators())
+            for prompt, row, generator in zip(prompts, batched, generators()):
+                alone = model.generate(torch.tensor([prompt]), new, temperature=temperature,
+                                       kv_cache=kv_cache, generator=generator)[0]
+                assert torch.equal(row, alone), (prompts, new, kv_cache, temperature)
+
+
+def test_sampling_draws_only_ids_below_vocab_size():
+    model = tiny_model()
+    out = model.generate(torch.zeros(3, 1, dtype=torch.long), 40, temperature=5.0, vocab_size=4,
+                         generator=torch.Generator().manual_seed(0))
+    assert out[:, 1:].max() < 4 and len(out[:, 1:].unique()) == 4
 
 
 def test_a_list_of_equal_length_prompts_gives_a_list():
@@ -115,11 +134,12 @@ def test_sampling_options_name_themselves(option, value, message):
 
 
 def test_compiled_decode_step_matches_eager(tiny_ckpt):
+    """Prompts of several lengths, past the cache's length (block_size 32), twice."""
     model, _ = load_model(tiny_ckpt, "cpu")
-    idx = torch.randint(0, 65, (2, 5))
-    eager = model.generate(idx, 20, temperature=0)
+    prompts = [[1, 2, 3, 4, 5], list(range(1, 13))]
+    idx, pad = left_pad(prompts, "cpu")
+    eager = list(stream(model, idx, 40, temperature=0, pad=pad))
     step = compile_decode_step(model)
     for _ in range(2):  # the cache is allocated per call; the compiled step serves each of them
-        compiled = torch.cat([idx, *(t[:, None] for t in stream(model, idx, 20, temperature=0,
-                                                               decode_step=step))], 1)
-        assert torch.equal(eager, compiled)
+        assert list(map(torch.Tensor.tolist, stream(model, idx, 40, temperature=0, pad=pad, decode_step=step))) \
+            == list(map(torch.Tensor.tolist, eager))
