@@ -483,21 +483,23 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
-    """The config keys the command line's overrides set: those typed (train.max_iters=...), and
-    every key a typed group option sets (attention=gqa sets model.n_kv_head), even to the value
-    it already had: the keys whose YAML value differs with and without that group."""
+    """The config keys the command line's overrides set: each key typed (train.max_iters=...,
+    ++model.kv_share=1), and every key a typed group option sets, whatever its value before
+    (attention=mha sets the four attention fields; ~attention unsets what its default set)."""
     changed, leaves = set(), flat_unresolved(cfg)
+    primary = OmegaConf.load(Path(__file__).parent / "configs" / "train.yaml").defaults
+    groups = {key: option for entry in primary if not isinstance(entry, str) for key, option in entry.items()}
+    # train.yaml's defaults with no option chosen in any group: composed with one group option,
+    # it holds exactly the keys that option sets.
+    ConfigStore.instance().store(name="no_groups", node={"defaults": [
+        entry if isinstance(entry, str) else dict.fromkeys(entry) for entry in primary]})
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        if key in leaves:  # a value: train.max_iters=4000, init_from=...
-            changed.add(key)
+        key, _, option = override.lstrip("+~").partition("=")
+        if key not in groups:  # a value, or a node of values (wandb={mode: offline})
+            changed |= {key} | {leaf for leaf in leaves if leaf.startswith(f"{key}.")}
             continue
-        with_option = flat_unresolved(hydra.compose(config_name="train", overrides=[override]))  # a group
-        try:
-            without = flat_unresolved(hydra.compose(config_name="train", overrides=[f"~{key}"]))
-        except Exception:  # noqa: BLE001  a group Hydra cannot drop: compare with the defaults
-            without = flat_unresolved(hydra.compose(config_name="train"))
-        changed |= {k for k, v in with_option.items() if v != without.get(k, ABSENT)}
+        option = option if not override.startswith("~") else option or groups[key] or "null"
+        changed |= flat_unresolved(hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])).keys()
     return changed
 
 
@@ -505,13 +507,13 @@ def flat_unresolved(cfg: DictConfig) -> dict:
     return flat(OmegaConf.to_container(cfg, resolve=False))
 
 
-def command_line_train(cfg: DictConfig, run_dir: str) -> dict:
-    """train() as `python train.py` runs it: with train.resume, on the checkpoint's own config
-    plus what this command line changed."""
+def command_line_train(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict:
+    """train() as `python train.py` runs it, given the command line's overrides: with
+    train.resume, on the checkpoint's own config plus what the command line set."""
     resume = None
     if cfg.train.resume:
         resume = checkpoint.load(cfg.train.resume, option="train.resume")
-        changed = changed_on_command_line(cfg, HydraConfig.get().overrides.task)
+        changed = changed_on_command_line(cfg, overrides)
         cfg = resume_config(cfg, resume.config, changed)
         say(f"train.resume: the saved config of {cfg.train.resume}, changed here: "
             f"{', '.join(sorted(changed - {'train.resume'})) or 'nothing'}")
@@ -542,7 +544,8 @@ class RunDirGuard(Callback):
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    result = run_guarded(command_line_train, cfg, HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    result = run_guarded(command_line_train, cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
     if result.get("interrupted"):
         sys.exit(128 + result["interrupted"])  # 130 for Ctrl-C, 143 for SIGTERM, as shells expect
 

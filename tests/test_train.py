@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from model import checkpoint
 from tests.helpers import ROOT, assert_one_line_error, clean_env, compose, read_metrics, run_cli, step_losses
-from train import changed_on_command_line, lr_at, resume_config, train
+from train import changed_on_command_line, command_line_train, lr_at, resume_config, train
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
@@ -52,10 +52,35 @@ def test_resume_is_bit_identical(tiny_run, tmp_path):
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
 
 
-def test_resume_with_another_model_names_the_field(tiny_run, tmp_path):
-    train(compose(*tiny_run, "train.max_iters=2"), tmp_path / "a")
-    with pytest.raises(ValueError, match=r"model\.n_kv_head=4 .* asks for 2"):
-        train(compose(*tiny_run, "attention=gqa", f"train.resume={tmp_path / 'a'}"), tmp_path / "b")
+def train_command_line(run_dir, *overrides: str) -> dict:
+    """train.py's work for `python train.py <overrides>` (command_line_train, in this process)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
+        return command_line_train(hydra_compose("train", overrides=list(overrides)), run_dir, list(overrides))
+
+
+REFUSED = {  # attention option trained: ways to type a resume that would change its model
+    "mla": [["attention=mha"], ["attention=gqa"], ["~attention"], ["model.mla_latent_dim=null"],
+            ["++model.mla_latent_dim=8"], ["model=tiny"], ["experiment=shakespeare_char_cpu"]],
+    "mqa_cla2": [["attention=mqa"], ["model.kv_share=1"], ["++model.kv_share=1"], ["model.n_kv_head=2"]],
+}
+
+
+@pytest.mark.parametrize("attention", REFUSED)
+def test_a_resume_that_would_change_the_model_is_refused_however_typed(attention, tiny_run, tmp_path):
+    """A group counts as every key it sets, even to a default; keys typed, `++key` and dropping a
+    group alike. Typing the model it has is not a change."""
+    train(compose(*tiny_run, f"attention={attention}", "train.max_iters=2"), tmp_path / "a")
+    for overrides in REFUSED[attention]:
+        # "its model has model.<field>=... but this run asks for ...", or the asked model is invalid
+        with pytest.raises(ValueError, match=r"^(train\.resume=.*: its model has )?model\.\w+="):
+            train_command_line(tmp_path / "b", f"train.resume={tmp_path / 'a'}", *overrides)
+    summary = train_command_line(tmp_path / "c", f"train.resume={tmp_path / 'a'}", f"attention={attention}",
+                                 "model.dropout=0.1")
+    assert summary["step"] == 2 and checkpoint.load(tmp_path / "c").model_config.kv_share == \
+        checkpoint.load(tmp_path / "a").model_config.kv_share
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
@@ -107,8 +132,9 @@ def test_resume_takes_the_saved_config_but_what_the_command_line_set():
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         cfg = hydra_compose("train", overrides=overrides)
         changed = changed_on_command_line(cfg, overrides)
-    # attention=mha is the default, yet it sets model.n_kv_head; lr_decay_iters only follows max_iters
-    assert changed == {"model.n_kv_head", "train.max_iters", "data.cache_dir"}
+    # attention=mha is the default, yet it sets its four keys; lr_decay_iters only follows max_iters
+    assert changed == {"model.n_kv_head", "model.mla_latent_dim", "model.mla_rope_dim", "model.kv_share",
+                       "train.max_iters", "data.cache_dir"}
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved["model"] |= {"n_kv_head": 2, "n_layer": 7}
     saved["train"] |= {"lr": 0.5, "lr_decay_iters": 100, "max_iters": 100, "device": "cuda:3"}
