@@ -40,7 +40,7 @@ from tqdm import tqdm
 from data.batches import Batches
 from data.errors import check_command_line, check_keys, config_object, one_line, run_guarded
 from data.prepare import DataConfig, corpus_files, load_prepared, prepare
-from data.tokenizer import tokenizer_from_meta
+from data.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_from_meta
 from model import GPT, GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
 from model.device import autocast, check_device, init_distributed, main_process_first
@@ -122,26 +122,29 @@ def model_config(cfg_model, vocab_size: int) -> GPTConfig:
         raise ValueError(str(e).replace("GPTConfig.", "model.")) from e
 
 
-def build_model(cfg: DictConfig, vocab_size: int, resume: Checkpoint | None) -> GPT:
-    """The GPT the config describes; with a resumed checkpoint, its weights (the model may not
-    change); else with init_from the source's architecture and weights (only model.dropout comes
-    from the config)."""
-    config, weights, source = model_config(cfg.model, vocab_size), None, None
+def build_model(cfg: DictConfig, meta: dict, resume: Checkpoint | None) -> GPT:
+    """The GPT the config describes, for the data's tokenizer (`meta`); with a resumed checkpoint,
+    its weights (the model may not change); else with init_from the source's architecture and
+    weights (only model.dropout comes from the config). Either source must have been trained with
+    this data's tokenizer, or its token ids would mean other text."""
+    config = model_config(cfg.model, meta["vocab_size"])
+    source, option = resume, f"train.resume={cfg.train.resume}"
+    if resume is None and cfg.init_from:
+        source, option = checkpoint.init_from(cfg.init_from), f"init_from={cfg.init_from}"
+    if source is not None and not same_tokenizer(source.data_meta, meta):
+        raise ValueError(f"{option} was trained with {describe_tokenizer(source.data_meta)}, but this data "
+                         f"has {describe_tokenizer(meta)}: its token ids would mean other text")
     if resume is not None:
-        source = f"train.resume={cfg.train.resume}"
-        checkpoint.check_resumable(resume, config, source)
-        weights = resume.model
-    elif cfg.init_from:
-        source_config, weights = checkpoint.init_from(cfg.init_from)
-        config = dataclasses.replace(source_config, dropout=config.dropout)
-        source = f"init_from={cfg.init_from}"
+        checkpoint.check_resumable(resume, config, option)
+    elif source is not None:
+        config = dataclasses.replace(source.model_config, dropout=config.dropout)
         say(f"init_from {cfg.init_from}: its architecture, dropout={config.dropout}")
-    if config.vocab_size < vocab_size:
+    if config.vocab_size < meta["vocab_size"]:
         raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the data's "
-                         f"vocabulary ({vocab_size})")
+                         f"vocabulary ({meta['vocab_size']})")
     model = GPT(config)
-    if weights is not None:
-        checkpoint.load_weights(model, weights, source)
+    if source is not None:
+        checkpoint.load_weights(model, source.model, option)
     return model
 
 
@@ -333,7 +336,7 @@ def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run
     with main_process_first():  # rank 0 prepares the data, the other ranks then find it
         meta, train_tokens, val_tokens = load_prepared(prepare(dcfg))
 
-    raw_model = build_model(cfg, meta["vocab_size"], resume).to(device)
+    raw_model = build_model(cfg, meta, resume).to(device)
     config, n_params = raw_model.config, raw_model.num_params()
     resolved_cfg["model"] = dataclasses.asdict(config)  # what was trained, init_from's included
     optimizer = configure_optimizer(raw_model, tcfg.optimizer, tcfg.lr, (tcfg.beta1, tcfg.beta2),
@@ -498,8 +501,10 @@ def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
         if key not in groups:  # a value, or a node of values (wandb={mode: offline})
             changed |= {key} | {leaf for leaf in leaves if leaf.startswith(f"{key}.")}
             continue
-        option = option if not override.startswith("~") else option or groups[key] or "null"
-        changed |= flat_unresolved(hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])).keys()
+        if override.startswith("~"):  # dropping a group: what it set is unset
+            option = option or groups[key] or "null"
+        alone = hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])
+        changed |= flat_unresolved(alone).keys()
     return changed
 
 

@@ -109,3 +109,17 @@ def tokenizer_from_meta(meta: dict):
     if meta["tokenizer"] == "char":
         return CharTokenizer(meta["vocab"])
     return BPETokenizer()
+
+
+def same_tokenizer(meta: dict, other: dict) -> bool:
+    """Whether two metas (a prepared dataset's, a checkpoint's) name the same tokenizer, so that
+    every id means the same text: both GPT-2's BPE, or char with the same characters in order."""
+    return meta["tokenizer"] == other["tokenizer"] and (meta["tokenizer"] != "char" or
+                                                        meta["vocab"] == other["vocab"])
+
+
+def describe_tokenizer(meta: dict) -> str:
+    """'the char tokenizer of 65 characters', 'GPT-2's BPE'."""
+    if meta["tokenizer"] == "char":
+        return f"the char tokenizer of {len(meta['vocab'])} characters"
+    return "GPT-2's BPE"

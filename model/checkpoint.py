@@ -7,7 +7,7 @@ which never unpickles arbitrary objects.
     save(run_dir / "ckpt.pt", Checkpoint(model=..., model_config=..., data_meta=...))
     ckpt = load(run_dir)                                  # its ckpt.pt, else best.pt
     model, ckpt = load_model(run_dir, "cpu")              # its best.pt, as a GPT in eval mode
-    config, weights = init_from("path/to/gpt2")           # a Hugging Face GPT-2 dir or ours
+    ckpt = init_from("path/to/gpt2")                      # a Hugging Face GPT-2 dir, or ours
 
 and the run dirs these live in: claim_run_dir, latest_run, read_metrics.
 """
@@ -39,6 +39,7 @@ RUN_FILES = ("ckpt.pt", "best.pt")  # what a run dir holds: the last state, and 
 METRICS_FILE = "metrics.jsonl"  # one JSON record per line, written by train.py's RunLog
 RUN_MARKERS = (*RUN_FILES, METRICS_FILE)  # a folder holding any of these holds a run
 LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
+GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
 
 
 @dataclass
@@ -366,12 +367,12 @@ def check_init_from(path) -> None:
         find(path, prefer="best.pt", option="init_from")
 
 
-def init_from(path) -> tuple[GPTConfig, dict]:
-    """The architecture and weights to start training from (the `init_from` option): a Hugging
-    Face GPT-2 directory, or one of our checkpoints (a run dir's best.pt, a converted one, ...)."""
+def init_from(path) -> Checkpoint:
+    """The checkpoint to start training from (the `init_from` option): a Hugging Face GPT-2
+    directory (its weights, config and GPT-2's tokenizer), or one of our checkpoints (a run dir's
+    best.pt, a converted one, ...)."""
     path = Path(path).expanduser()
     if (path / "config.json").is_file():
         model = GPT.from_pretrained(path)
-        return model.config, model.state_dict()
-    ckpt = load(path, prefer="best.pt", option="init_from")
-    return ckpt.model_config, ckpt.model
+        return Checkpoint(model=model.state_dict(), model_config=model.config, data_meta=GPT2_DATA_META)
+    return load(path, prefer="best.pt", option="init_from")

@@ -219,8 +219,8 @@ def test_load_model_in_each_dtype_and_int8(tmp_path):
 def test_init_from_one_of_our_checkpoints(tmp_path):
     model = tiny_model(n_kv_head=2)
     write(tmp_path / "best.pt", model)
-    config, weights = checkpoint.init_from(tmp_path)
-    assert config == model.config and weights.keys() == model.state_dict().keys()
+    source = checkpoint.init_from(tmp_path)
+    assert source.model_config == model.config and source.model.keys() == model.state_dict().keys()
 
 
 def test_only_a_training_checkpoint_with_the_same_model_resumes(tmp_path):

@@ -10,7 +10,8 @@ import torch
 
 from data.tokenizer import BPETokenizer, CharTokenizer
 from generate import GenerateConfig, print_samples, quote_literal_options, sample
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli
+from model import checkpoint
+from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli, tiny_model
 
 
 def generate_cli(*args, cwd=ROOT):
@@ -142,9 +143,13 @@ def test_cli_bad_checkpoints(tiny_ckpt, tmp_path):
     ckpt = torch.load(tiny_ckpt / "best.pt", weights_only=True)
     ckpt["model_config"]["n_embd"] = 32  # weights no longer match
     torch.save(ckpt, tmp_path / "mismatched.pt")
+    small = tiny_model()  # 37 token ids, for a tokenizer of 65 characters
+    checkpoint.save(tmp_path / "small_vocab.pt", checkpoint.Checkpoint(
+        model=small.state_dict(), model_config=small.config, data_meta=checkpoint.load(tiny_ckpt).data_meta))
     for path, message in [(tmp_path / "missing.pt", "not found"),
                           (tmp_path / "corrupt.pt", "cannot read checkpoint"),
-                          (tmp_path / "mismatched.pt", "weights do not match")]:
+                          (tmp_path / "mismatched.pt", "weights do not match"),
+                          (tmp_path / "small_vocab.pt", "37 token ids, fewer than its char tokenizer's 65")]:
         assert_one_line_error(generate_cli(f"ckpt={path}"), message)
 
 

@@ -66,11 +66,12 @@ def test_each_row_of_a_batch_is_generated_as_it_would_be_alone(attention, pos_em
     for _ in range(2):
         prompts = [[rng.randrange(37) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(2, 4))]
         new = rng.randint(1, 24)
+        seeds = range(len(prompts))
         for kv_cache, temperature in itertools.product((True, False), (0, 1.0)):
-            generators = lambda: [torch.Generator().manual_seed(seed) for seed in range(len(prompts))]
             batched = model.generate(prompts, new, temperature=temperature, kv_cache=kv_cache,
-                                     generator=generators())
-            for prompt, row, generator in zip(prompts, batched, generators()):
+                                     generator=[torch.Generator().manual_seed(s) for s in seeds])
+            for prompt, row, seed in zip(prompts, batched, seeds):
+                generator = torch.Generator().manual_seed(seed)
                 alone = model.generate(torch.tensor([prompt]), new, temperature=temperature,
                                        kv_cache=kv_cache, generator=generator)[0]
                 assert torch.equal(row, alone), (prompts, new, kv_cache, temperature)
@@ -141,5 +142,5 @@ def test_compiled_decode_step_matches_eager(tiny_ckpt):
     eager = list(stream(model, idx, 40, temperature=0, pad=pad))
     step = compile_decode_step(model)
     for _ in range(2):  # the cache is allocated per call; the compiled step serves each of them
-        assert list(map(torch.Tensor.tolist, stream(model, idx, 40, temperature=0, pad=pad, decode_step=step))) \
-            == list(map(torch.Tensor.tolist, eager))
+        compiled = stream(model, idx, 40, temperature=0, pad=pad, decode_step=step)
+        assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]

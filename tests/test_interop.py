@@ -55,9 +55,10 @@ def test_finetune_from_hugging_face_then_sample(tmp_path):
 
 def test_init_from_a_hugging_face_directory(tmp_path):
     hf = hf_gpt2(tmp_path)
-    config, weights = checkpoint.init_from(tmp_path)
-    model = GPT(config).eval()
-    checkpoint.load_weights(model, weights, tmp_path)
+    source = checkpoint.init_from(tmp_path)
+    assert source.data_meta["tokenizer"] == "bpe"
+    model = GPT(source.model_config).eval()
+    checkpoint.load_weights(model, source.model, tmp_path)
     idx = torch.randint(0, 97, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-5, rtol=0)

@@ -1,7 +1,9 @@
 """train.py: the run dir, the schedule, bit-identical resume, NaN and signal handling, wandb,
 DDP with gloo, sweeps."""
 
+import io
 import json
+import re
 import resource
 import signal
 import subprocess
@@ -13,7 +15,16 @@ import torch
 from omegaconf import OmegaConf
 
 from model import checkpoint
-from tests.helpers import ROOT, assert_one_line_error, clean_env, compose, read_metrics, run_cli, step_losses
+from tests.helpers import (
+    ROOT,
+    assert_one_line_error,
+    clean_env,
+    compose,
+    hf_gpt2,
+    read_metrics,
+    run_cli,
+    step_losses,
+)
 from train import changed_on_command_line, command_line_train, lr_at, resume_config, train
 
 
@@ -81,6 +92,37 @@ def test_a_resume_that_would_change_the_model_is_refused_however_typed(attention
                                  "model.dropout=0.1")
     assert summary["step"] == 2 and checkpoint.load(tmp_path / "c").model_config.kv_share == \
         checkpoint.load(tmp_path / "a").model_config.kv_share
+
+
+def test_a_source_trained_with_another_tokenizer_is_refused(tiny_ckpt, tiny_run, tmp_path):
+    """init_from (ours, or a Hugging Face GPT-2) and resume with data of another tokenizer: refused
+    before training, whatever the vocabulary sizes."""
+    (tmp_path / "abc.txt").write_text("abc abc\n" * 20)
+    hf_gpt2(tmp_path / "gpt2", vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    abc = ["data=text_files", f"data.path={tmp_path / 'abc.txt'}"]
+    ours, five, gpt2 = ("the char tokenizer of 65 characters", "the char tokenizer of 5 characters",
+                        "GPT-2's BPE")
+    for source, data, trained, has in [(f"init_from={tiny_ckpt}", abc, ours, five),
+                                       (f"train.resume={tiny_ckpt}", abc, ours, five),
+                                       (f"init_from={tiny_ckpt}", ["data=shakespeare_bpe"], ours, gpt2),
+                                       (f"init_from={tmp_path / 'gpt2'}", [], gpt2, ours)]:
+        message = f"{source} was trained with {trained}, but this data has {has}"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            train(compose(*tiny_run, *data, source, "train.max_iters=40"), tmp_path / "run")
+        assert not checkpoint.run_files(tmp_path / "run")
+
+
+def test_a_vocabulary_padded_past_the_tokenizers_samples_only_its_ids(tiny_run, tmp_path):
+    """model.vocab_size=128 on 65 characters (nanoGPT pads GPT-2's to 50304): it trains, and the
+    end-of-run sample and generate.py draw only ids the tokenizer has, even at a high temperature."""
+    from generate import GenerateConfig, sample
+
+    train(compose(*tiny_run, "model.vocab_size=128", "train.max_iters=2", "train.sample_tokens=300"),
+          tmp_path)
+    assert checkpoint.load(tmp_path).model_config.vocab_size == 128
+    text = sample(GenerateConfig(ckpt=str(tmp_path), max_new_tokens=300, temperature=10.0, top_k=None),
+                  out=io.StringIO())[0]
+    assert len(text) == 301
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
