@@ -78,9 +78,7 @@ class TrainConfig:
     peak_tflops: float = 989.0    # the device's bf16 peak, for MFU (H100 SXM dense)
 
     def __post_init__(self):
-        rules = {"a finite number": (math.isfinite, "lr min_lr weight_decay beta1 beta2 grad_clip "
-                                                    "peak_tflops"),
-                 ">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
+        rules = {">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
                  ">= 0": (lambda v: v >= 0, "max_iters warmup_iters lr_decay_iters min_lr weight_decay "
                                             "grad_clip sample_tokens"),
                  "> 0": (lambda v: v > 0, "lr peak_tflops"),

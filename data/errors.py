@@ -12,10 +12,12 @@ point can use it.
 """
 
 import dataclasses
+import math
 import os
 import signal
 import sys
 import threading
+import typing
 
 from omegaconf import OmegaConf
 
@@ -97,12 +99,17 @@ def hydra_one_line(error: BaseException) -> str:
 def config_object(node, prefix: str = ""):
     """The dataclass instance of a config node that has a schema (its __post_init__ checks the
     ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped,
-    and so is a required value (`???` in the YAML) left unset."""
+    and so is a required value (`???` in the YAML) left unset, and a float field that is not a
+    finite number (Hydra reads `inf` and `nan` as floats)."""
     schema = OmegaConf.get_type(node)
     check_keys(node.keys(), schema, prefix)
     if missing := sorted(key for key in node if OmegaConf.is_missing(node, key)):
         raise ValueError(f"{prefix}{missing[0]} is required: set it on the command line, "
                          f"e.g. {prefix}{missing[0]}=...")
+    for f in dataclasses.fields(schema):
+        value = node[f.name]
+        if float in (f.type, *typing.get_args(f.type)) and value is not None and not math.isfinite(value):
+            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
     return OmegaConf.to_object(node)
 
 

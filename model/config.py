@@ -1,5 +1,6 @@
 """GPTConfig: every architectural choice of the model, checked once at construction."""
 
+import math
 from dataclasses import dataclass
 
 OPTIONS = {
@@ -59,8 +60,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if self.norm_eps <= 0:
-            raise ValueError(f"GPTConfig.norm_eps must be positive, got {self.norm_eps}")
+        if not 0 < self.norm_eps < math.inf:
+            raise ValueError(f"GPTConfig.norm_eps must be a positive finite number, got {self.norm_eps}")
 
     def check_mla(self) -> None:
         check_int(self, "mla_rope_dim", 0)

@@ -2,6 +2,7 @@
 at config time with a message that names the field."""
 
 import dataclasses
+import typing
 
 import pytest
 import yaml
@@ -158,6 +159,23 @@ def test_study_options_name_themselves():
                             ({"decode_batch_sizes": [0]}, "study.decode_batch_sizes")]:
         with pytest.raises(ValueError, match=message):
             StudyConfig(**kwargs)
+
+
+GROUPS = [("train", "model.", GPTConfig), ("train", "train.", TrainConfig), ("train", "data.", DataConfig),
+          ("generate", "", GenerateConfig), ("study", "study.", StudyConfig)]  # (config, prefix, schema)
+FLOAT_OPTIONS = [(config, prefix, f.name) for config, prefix, schema in GROUPS
+                 for f in dataclasses.fields(schema) if float in (f.type, *typing.get_args(f.type))]
+
+
+@pytest.mark.parametrize("config,prefix,field", FLOAT_OPTIONS, ids=[f"{p}{f}" for _, p, f in FLOAT_OPTIONS])
+def test_every_float_option_must_be_finite(config, prefix, field):
+    """inf, -inf and nan are refused at config time, by name, however the range check reads."""
+    for value in ("inf", "-inf", "nan"):
+        cfg = compose(f"{prefix}{field}={value}", *(["ckpt=run"] if config == "generate" else []),
+                      config_name=config)
+        node = cfg[prefix.rstrip(".")] if prefix else cfg
+        with pytest.raises(ValueError, match=rf"^{prefix}{field}\b.*{value.lstrip('-')}"):
+            model_config(node, vocab_size=65) if prefix == "model." else config_object(node, prefix)
 
 
 def test_unknown_model_field_names_itself():
