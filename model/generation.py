@@ -106,6 +106,8 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     block_size = model.config.block_size
     B, T = idx.shape
+    if isinstance(generator, (list, tuple)) and len(generator) != B:
+        raise ValueError(f"generator: a list needs one per row, {B}; got {len(generator)}")
     tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # (B, T + new)
     tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
     length = T
@@ -148,8 +150,9 @@ def make_room(model, tokens, cache, pad):
     to earlier slots, and its padding shrinks by as much, so their positions stay. tokens
     (B, length) ends with the cached context; pad (B,) or None. Returns the new pad."""
     keep = max(model.config.block_size // 2, 1) - 1
-    full = torch.ones(tokens.size(0), dtype=torch.bool, device=tokens.device) if pad is None else pad == 0
-    kept = torch.where(full, keep, cache.length - (0 if pad is None else pad))  # (B,) tokens kept
+    padding = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device) if pad is None else pad
+    full = padding == 0                                                  # (B,)
+    kept = torch.where(full, keep, cache.length - padding)               # (B,) tokens each row keeps
     n = int(kept.max())
     cache.keep_last(n)
     if keep:

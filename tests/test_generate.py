@@ -143,14 +143,18 @@ def test_cli_bad_checkpoints(tiny_ckpt, tmp_path):
     ckpt = torch.load(tiny_ckpt / "best.pt", weights_only=True)
     ckpt["model_config"]["n_embd"] = 32  # weights no longer match
     torch.save(ckpt, tmp_path / "mismatched.pt")
+    for path, message in [(tmp_path / "missing.pt", "not found"),
+                          (tmp_path / "corrupt.pt", "cannot read checkpoint"),
+                          (tmp_path / "mismatched.pt", "weights do not match")]:
+        assert_one_line_error(generate_cli(f"ckpt={path}"), message)
+
+
+def test_a_checkpoint_with_fewer_ids_than_its_tokenizer_is_refused(tiny_ckpt, tmp_path):
     small = tiny_model()  # 37 token ids, for a tokenizer of 65 characters
     checkpoint.save(tmp_path / "small_vocab.pt", checkpoint.Checkpoint(
         model=small.state_dict(), model_config=small.config, data_meta=checkpoint.load(tiny_ckpt).data_meta))
-    for path, message in [(tmp_path / "missing.pt", "not found"),
-                          (tmp_path / "corrupt.pt", "cannot read checkpoint"),
-                          (tmp_path / "mismatched.pt", "weights do not match"),
-                          (tmp_path / "small_vocab.pt", "37 token ids, fewer than its char tokenizer's 65")]:
-        assert_one_line_error(generate_cli(f"ckpt={path}"), message)
+    with pytest.raises(ValueError, match="37 token ids, fewer than its char tokenizer's 65"):
+        sample(GenerateConfig(ckpt=str(tmp_path / "small_vocab.pt")))
 
 
 def test_cli_fast_decode_options(tiny_ckpt):

@@ -84,6 +84,11 @@ def test_sampling_draws_only_ids_below_vocab_size():
     assert out[:, 1:].max() < 4 and len(out[:, 1:].unique()) == 4
 
 
+def test_a_list_of_generators_needs_one_per_row():
+    with pytest.raises(ValueError, match="one per row, 2; got 1"):
+        tiny_model().generate([[1], [2, 3]], 3, generator=[torch.Generator()])
+
+
 def test_a_list_of_equal_length_prompts_gives_a_list():
     model = tiny_model()
     out = model.generate([[1, 2], [3, 4]], 3, temperature=0)
