@@ -123,8 +123,7 @@ def model_config(cfg_model, vocab_size: int) -> GPTConfig:
 def build_model(cfg: DictConfig, meta: dict, resume: Checkpoint | None) -> GPT:
     """The GPT the config describes, for the data's tokenizer (`meta`); with a resumed checkpoint,
     its weights (the model may not change); else with init_from the source's architecture and
-    weights (only model.dropout comes from the config). Either source must have been trained with
-    this data's tokenizer, or its token ids would mean other text."""
+    weights (only model.dropout from the config). Either must have been trained with meta's tokenizer."""
     config = model_config(cfg.model, meta["vocab_size"])
     source, option = resume, f"train.resume={cfg.train.resume}"
     if resume is None and cfg.init_from:
@@ -487,27 +486,21 @@ def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
     """The config keys the command line's overrides set: each key typed (train.max_iters=...,
     ++model.kv_share=1), and every key a typed group option sets, whatever its value before
     (attention=mha sets the four attention fields; ~attention unsets what its default set)."""
-    changed, leaves = set(), flat_unresolved(cfg)
+    changed, leaves = set(), flat(OmegaConf.to_container(cfg))
     primary = OmegaConf.load(Path(__file__).parent / "configs" / "train.yaml").defaults
     groups = {key: option for entry in primary if not isinstance(entry, str) for key, option in entry.items()}
-    # train.yaml's defaults with no option chosen in any group: composed with one group option,
-    # it holds exactly the keys that option sets.
+    # train.yaml's groups with none chosen: composed with one option, it holds just what that sets.
     ConfigStore.instance().store(name="no_groups", node={"defaults": [
         entry if isinstance(entry, str) else dict.fromkeys(entry) for entry in primary]})
     for override in overrides:
         key, _, option = override.lstrip("+~").partition("=")
-        if key not in groups:  # a value, or a node of values (wandb={mode: offline})
+        if key in groups:  # every key the option sets (~group: those its default set, now unset)
+            option = (option or groups[key] or "null") if override.startswith("~") else option
+            alone = hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])
+            changed |= flat(OmegaConf.to_container(alone)).keys()
+        else:  # a value, or a node of values (wandb={mode: offline})
             changed |= {key} | {leaf for leaf in leaves if leaf.startswith(f"{key}.")}
-            continue
-        if override.startswith("~"):  # dropping a group: what it set is unset
-            option = option or groups[key] or "null"
-        alone = hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])
-        changed |= flat_unresolved(alone).keys()
     return changed
-
-
-def flat_unresolved(cfg: DictConfig) -> dict:
-    return flat(OmegaConf.to_container(cfg, resolve=False))
 
 
 def command_line_train(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict:
