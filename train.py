@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -483,24 +484,23 @@ def flat(config: dict, prefix: str = "") -> dict:
 
 
 def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
-    """The config keys the command line's overrides set: each key typed (train.max_iters=...,
-    ++model.kv_share=1), and every key a typed group option sets, whatever its value before
-    (attention=mha sets the four attention fields; ~attention unsets what its default set)."""
-    changed, leaves = set(), flat(OmegaConf.to_container(cfg))
+    """The config keys the overrides set: each key typed, and every key a group option sets (attention=mha
+    its four keys, ~attention what mha set), composed over train.yaml's groups with none chosen."""
+    changed, leaves, options = set(), flat(OmegaConf.to_container(cfg)), []
     primary = OmegaConf.load(Path(__file__).parent / "configs" / "train.yaml").defaults
     groups = {key: option for entry in primary if not isinstance(entry, str) for key, option in entry.items()}
-    # train.yaml's groups with none chosen: composed with one option, it holds just what that sets.
     ConfigStore.instance().store(name="no_groups", node={"defaults": [
         entry if isinstance(entry, str) else dict.fromkeys(entry) for entry in primary]})
-    for override in overrides:
-        key, _, option = override.lstrip("+~").partition("=")
-        if key in groups:  # every key the option sets (~group: those its default set, now unset)
-            option = (option or groups[key] or "null") if override.startswith("~") else option
-            alone = hydra.compose(config_name="no_groups", overrides=[f"{key}={option}"])
-            changed |= flat(OmegaConf.to_container(alone)).keys()
-        else:  # a value, or a node of values (wandb={mode: offline})
+    for override in OverridesParser.create().parse_overrides(overrides):
+        key = override.key_or_group
+        if key not in groups:  # a value, or a node of values (wandb={mode: offline})
             changed |= {key} | {leaf for leaf in leaves if leaf.startswith(f"{key}.")}
-    return changed
+        elif override.is_delete():  # ~attention: what its default set is unset
+            options += [f"{key}={groups[key]}"] if groups[key] else []
+        else:  # as typed: attention=mha, +attention@model=gqa, experiment=...
+            options.append(override.input_line)
+    alone = hydra.compose(config_name="no_groups", overrides=options)
+    return changed | flat(OmegaConf.to_container(alone)).keys()
 
 
 def command_line_train(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict:

@@ -73,8 +73,9 @@ def train_command_line(run_dir, *overrides: str) -> dict:
 
 
 REFUSED = {  # attention option trained: ways to type a resume that would change its model
-    "mla": [["attention=mha"], ["attention=gqa"], ["~attention"], ["model.mla_latent_dim=null"],
-            ["++model.mla_latent_dim=8"], ["model=tiny"], ["experiment=shakespeare_char_cpu"]],
+    "mla": [["attention=mha"], ["attention=gqa"], ["~attention"], ["+attention@model=gqa"],
+            ["model.mla_latent_dim=null"], ["++model.mla_latent_dim=8"], ["model=tiny"],
+            ["experiment=shakespeare_char_cpu"], ["+experiment@_global_=shakespeare_char_cpu"]],
     "mqa_cla2": [["attention=mqa"], ["model.kv_share=1"], ["++model.kv_share=1"], ["model.n_kv_head=2"]],
 }
 
@@ -89,7 +90,7 @@ def test_a_resume_that_would_change_the_model_is_refused_however_typed(attention
         with pytest.raises(ValueError, match=r"^(train\.resume=.*: its model has )?model\.\w+="):
             train_command_line(tmp_path / "b", f"train.resume={tmp_path / 'a'}", *overrides)
     summary = train_command_line(tmp_path / "c", f"train.resume={tmp_path / 'a'}", f"attention={attention}",
-                                 "model.dropout=0.1")
+                                 "model.dropout=0.1", "~experiment")
     assert summary["step"] == 2 and checkpoint.load(tmp_path / "c").model_config.kv_share == \
         checkpoint.load(tmp_path / "a").model_config.kv_share
 
