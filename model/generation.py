@@ -53,7 +53,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(p[None], 1, generator=g)[0] for p, g in zip(probs, generator)])
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])  # (B,)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
