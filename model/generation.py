@@ -154,7 +154,11 @@ def make_room(model, tokens, cache, pad):
     full = padding == 0                                                  # (B,)
     kept = torch.where(full, keep, cache.length - padding)               # (B,) tokens each row keeps
     n = int(kept.max())
-    cache.keep_last(n)
+    if pad is None:  # every row restarts: nothing to move
+        cache.reset()
+        cache.advance(n)
+    else:
+        cache.keep_last(n)
     if keep:
         rows = full.nonzero().squeeze(1)                                 # (rows,)
         refill = model.new_kv_cache(len(rows), keep)

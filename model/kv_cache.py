@@ -58,7 +58,7 @@ class KVCache:
         """Copy the positions written in `source` into batch rows `rows` (a LongTensor with one
         per row of source), at slots start .. start + source.length - 1."""
         for t, s in zip(self.buffers, source.buffers):
-            t[rows, :, start:start + source.length] = s[:, :, :source.length].to(t.dtype)
+            t[rows, :, start:start + source.length] = s[:, :, :source.length]
 
     @property
     def buffers(self) -> list[torch.Tensor]:
