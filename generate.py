@@ -17,7 +17,6 @@ import sys
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,13 +24,13 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
-from data.errors import check_command_line, config_object, run_guarded
 from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
-from model.checkpoint import latest_run, load_model
-from model.device import check_device, decode_precision
-from model.generation import check_sampling, compile_decode_step, left_pad, stream, timed_stream
+from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, quote_literal_options
+from model.device import DTYPES, check_device, pick_device
+from model.generation import check_sampling, compile_decode_step, left_pad, load_model, stream, timed_stream
 from model.plots import plot_attention
+from model.run_dir import latest_run
 
 
 @dataclass
@@ -68,7 +67,10 @@ class GenerateConfig:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
         check_sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                        top_k=self.top_k, top_p=self.top_p)
-        decode_precision(torch.device("cpu"), self.dtype, self.quantize)  # names and combination
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantize not in (None, "auto", "int8"):
+            raise ValueError(f"quantize must be null, auto or int8, got {self.quantize!r}")
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")
@@ -77,24 +79,6 @@ class GenerateConfig:
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
 LITERAL_OPTIONS = ("prompt", "stop")  # free text: taken as typed, not parsed by Hydra's grammar
-
-
-def unescape(text: str) -> str:
-    """\\n and \\t as typed on a command line become a newline and a tab (\\\\ a backslash)."""
-    return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
-
-
-def quote_literal_options(argv: list[str]) -> list[str]:
-    """`prompt=To be, or not` as the shell hands it over, quoted for Hydra so that commas, quotes,
-    brackets, `${` and newlines are text (Hydra's grammar would reject or interpret them); a typed
-    \\n or \\t is a newline or a tab."""
-    def quoted(value: str) -> str:  # in Hydra's quoted strings, \ escapes only before ' and ${
-        escaped = re.sub(r"(\\*)('|\$\{|\Z)",
-                         lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
-        return f"'{escaped}'"
-
-    return [f"{key}={quoted(unescape(value))}" if key in LITERAL_OPTIONS else arg
-            for arg in argv for key, _, value in [arg.partition("=")]]
 
 
 def check_output_file(path: str, option: str) -> None:
@@ -131,8 +115,9 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     if source is None:
         source = latest_run("outputs")
         print(f"ckpt: {source} (the latest run in outputs/; choose another with ckpt=...)", file=sys.stderr)
-    model, ckpt = load_model(source, cfg.device, cfg.dtype, cfg.quantize)
-    device = model.wte.weight.device
+    device = pick_device(cfg.device)  # its errors name `device`, as the option is called here
+    with naming("ckpt"):
+        model, ckpt = load_model(source, device, cfg.dtype, cfg.quantize)
     tokenizer = tokenizer_from_meta(ckpt.data_meta)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
@@ -221,10 +206,10 @@ def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None) ->
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")
 def main(cfg) -> None:
-    run_guarded(lambda: sample(config_object(cfg)))  # the schema's checks are guarded too
+    exit_on_user_error(lambda: sample(config_object(cfg)))  # the schema's checks are guarded too
 
 
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *quote_literal_options(sys.argv[1:])]
-    check_command_line(Path(__file__).parent / "configs", "generate", sys.argv[1:])
+    sys.argv[1:] = quote_literal_options(sys.argv[1:], LITERAL_OPTIONS)
+    composed_jobs(Path(__file__).parent / "configs", "generate", sys.argv[1:])  # Hydra's errors: one line
     main()

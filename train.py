@@ -5,9 +5,8 @@
     python train.py -m attention=mha,gqa,mqa          # a sweep, in multirun/
     torchrun --nproc_per_node=2 train.py ...          # DDP (NCCL on GPU, gloo on CPU)
 
-In nanoGPT's order: the `train` group's schema, setup (processes, device, seeds), the data, the
-model and its optimizer, evaluation and logging, then `train(cfg, run_dir)`: the loop, callable
-from Python. `main` is the Hydra wrapper.
+In nanoGPT's order: the config and its checks, the model and optimizer, the loop, evaluate and
+save. From Python: train(check_options(cfg), run_dir).
 """
 
 import os
@@ -17,11 +16,9 @@ import sys
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
-import dataclasses
-import json
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,22 +29,20 @@ import torch
 import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
 from data.batches import Batches
-from data.errors import check_command_line, check_keys, config_object, one_line, run_guarded
-from data.prepare import DataConfig, corpus_files, load_prepared, prepare
-from data.tokenizer import describe_tokenizer, same_tokenizer, tokenizer_from_meta
-from model import GPT, GPTConfig, checkpoint
-from model.checkpoint import Checkpoint
-from model.device import autocast, check_device, init_distributed, main_process_first
+from data.prepare import load_prepared
+from data.tokenizer import tokenizer_from_meta
+from model import GPT, checkpoint
+from model.command_line import composed_jobs, exit_on_user_error, naming, with_default_experiment
+from model.device import autocast, check_device, init_distributed, mean_over_ranks, print0
 from model.evaluation import estimate_loss, split_loss
-from model.optimizer import check_optimizer, configure_optimizer, load_optimizer_state
+from model.optimizer import OPTIMIZERS, configure_optimizer
 from model.plots import plot_losses
+from model.run_config import CONFIGS, RunConfig, check_options
+from model.run_dir import MetricsLog, claim_run_dir, release_run_dir, remove_stale_temp_files, stop_requests
 
 
 @dataclass
@@ -92,463 +87,214 @@ class TrainConfig:
                     raise ValueError(f"train.{name} must be {rule}, got {getattr(self, name)!r}")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must not exceed train.lr={self.lr}")
-        check_device(self.device, "train.device")
-        check_optimizer(self.optimizer)
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer={self.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+        with naming("train.device", "device"):
+            check_device(self.device)
 
 
 ConfigStore.instance().store(group="train", name="schema", node=TrainConfig)
-ConfigStore.instance().store(group="model", name="schema", node=GPTConfig)  # configs/model/base.yaml
-
-
-# ----------------------------------------------------------------------------- setup
-
-def say(msg: str) -> None:
-    """Print from rank 0 only (every rank runs this file under torchrun)."""
-    if int(os.environ.get("RANK", 0)) == 0:
-        tqdm.write(msg)
 
 
 # ----------------------------------------------------------------------------- model and optimizer
 
-def model_config(cfg_model, vocab_size: int) -> GPTConfig:
-    """The `model` group as a GPTConfig (the data's vocab_size unless model.vocab_size is set);
-    its errors name the option as the user typed it, model.<field>."""
-    fields = OmegaConf.to_container(cfg_model, resolve=True)
-    check_keys(fields, GPTConfig, "model.")
-    try:
-        return GPTConfig(**fields | {"vocab_size": fields.get("vocab_size") or vocab_size})
-    except ValueError as e:
-        raise ValueError(str(e).replace("GPTConfig.", "model.")) from e
-
-
-def build_model(cfg: DictConfig, meta: dict, resume: Checkpoint | None) -> GPT:
-    """The GPT the config describes, for the data's tokenizer (`meta`); with a resumed checkpoint,
-    its weights (the model may not change); else with init_from the source's architecture and
-    weights (only model.dropout from the config). Either must have been trained with meta's tokenizer."""
-    config = model_config(cfg.model, meta["vocab_size"])
-    source, option = resume, f"train.resume={cfg.train.resume}"
-    if resume is None and cfg.init_from:
-        source, option = checkpoint.init_from(cfg.init_from), f"init_from={cfg.init_from}"
-    if source is not None and not same_tokenizer(source.data_meta, meta):
-        raise ValueError(f"{option} was trained with {describe_tokenizer(source.data_meta)}, but this data "
-                         f"has {describe_tokenizer(meta)}: its token ids would mean other text")
-    if resume is not None:
-        checkpoint.check_resumable(resume, config, option)
-    elif source is not None:
-        config = dataclasses.replace(source.model_config, dropout=config.dropout)
-        say(f"init_from {cfg.init_from}: its architecture, dropout={config.dropout}")
-    if config.vocab_size < meta["vocab_size"]:
-        raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the data's "
-                         f"vocabulary ({meta['vocab_size']})")
-    model = GPT(config)
-    if source is not None:
-        checkpoint.load_weights(model, source.model, option)
-    return model
-
-
-def lr_at(step: int, tcfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
-    if step < tcfg.warmup_iters:
-        return tcfg.lr * (step + 1) / (tcfg.warmup_iters + 1)
-    if step >= tcfg.lr_decay_iters:
-        return tcfg.min_lr
-    progress = (step - tcfg.warmup_iters) / max(1, tcfg.lr_decay_iters - tcfg.warmup_iters)
-    return tcfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tcfg.lr - tcfg.min_lr)
-
-
-# ----------------------------------------------------------------------------- evaluation and output
-
 @dataclass
-class Run:
+class TrainingState:
     """What the loop advances and a checkpoint saves."""
 
     model: GPT                    # the plain model, not its compiled or DDP wrapper
     optimizer: torch.optim.Optimizer
     batches: Batches              # the training batches, whose RNG state is saved
+    run: RunConfig
     run_dir: Path
-    resolved_cfg: dict
-    data_meta: dict
     master: bool
     step: int = 0
     best_val: float = math.inf
     last_saved: Path | None = None
 
-    def save(self, name: str) -> Path:
-        """Write run_dir/name (rank 0 only)."""
+    def save(self, name: str) -> Path:  # rank 0 writes
         path = self.run_dir / name
         if self.master:
-            checkpoint.save(path, Checkpoint(
-                model=self.model.state_dict(), model_config=self.model.config, data_meta=self.data_meta,
-                config=self.resolved_cfg, step=self.step, best_val=self.best_val,
+            checkpoint.save(path, checkpoint.Checkpoint(
+                model=self.model.state_dict(), model_config=self.model.config, data_meta=self.run.meta,
+                config=self.run.config, step=self.step, best_val=self.best_val,
                 optimizer=self.optimizer.state_dict(),
                 rng={**checkpoint.rng_state(), "batches": self.batches.state_dict()}))
         return path
-
-    def evaluate(self, splits: dict, tcfg: "TrainConfig", amp, log: "RunLog") -> None:
-        """Evaluate on the fixed batches and record it; then save best.pt if val improved, and
-        ckpt.pt (except at the first step of a run that goes on)."""
-        losses = estimate_loss(self.model, splits, tcfg.eval_iters, tcfg.seed, amp)
-        log.record({"step": self.step, "train_loss": losses["train"], "val_loss": losses["val"]})
-        say(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-        if not math.isfinite(losses["val"]):
-            raise self.diverged("val loss", losses["val"])
-        if self.step > 0 or self.step == tcfg.max_iters:
-            if losses["val"] < self.best_val:
-                self.best_val = losses["val"]
-                self.save("best.pt")
-            self.last_saved = self.save("ckpt.pt")
 
     def diverged(self, what: str, value: float) -> FloatingPointError:
         kept = f"; the last good checkpoint is {self.last_saved}" if self.last_saved else ""
         return FloatingPointError(f"{what} is {value} at step {self.step}: stopped{kept}")
 
 
-class RunLog:
-    """Where a run's progress goes: metrics.jsonl, wandb when wandb.mode is not disabled, and the
-    terminal (a tqdm bar, or plain lines when stderr is not one). Each record is stamped with the
-    seconds since the loop started, evaluations included."""
-
-    def __init__(self, run_dir: Path, wandb_run, master: bool, step: int, max_iters: int):
-        self.path, self.master, self.max_iters = run_dir / checkpoint.METRICS_FILE, master, max_iters
-        self.wandb = wandb_run
-        self.bar = tqdm(total=max_iters, initial=step, desc="train", dynamic_ncols=True,
-                        disable=not (master and sys.stderr.isatty()))
-        self.start = time.perf_counter()
-
-    def record(self, entry: dict) -> None:
-        entry["elapsed_s"] = time.perf_counter() - self.start
-        if self.master:
-            try:
-                with self.path.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            except OSError as e:
-                raise type(e)(f"cannot write {self.path}: {e.strerror or e}") from e
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
-
-    def training_step(self, step: int, loss: float, lr: float, tokens_per_s: float, mfu=None) -> None:
-        self.record({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
-                    | ({"mfu": mfu} if mfu is not None else {}))
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
-        if self.master and self.bar.disable:
-            print(f"step {step}/{self.max_iters}: loss {loss:.4f}, lr {lr:.2e}, "
-                  f"{tokens_per_s:,.0f} tokens/s", flush=True)
-
-    def close(self) -> None:
-        self.bar.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-WANDB_MODES = ("disabled", "offline", "online")
+def build(run: RunConfig, run_dir: Path, device, world_size: int, master: bool):
+    """The model, optimizer and batches (resumed, or from init_from), and the model to step."""
+    checkpoint.seed_rngs(run.train.seed)
+    model = GPT(run.model)
+    if run.source is not None:
+        with naming(run.source_option):
+            checkpoint.load_weights(model, run.source.model)
+    model.to(device)
+    tc = run.train
+    optimizer = configure_optimizer(model, tc.optimizer, tc.lr, (tc.beta1, tc.beta2), tc.weight_decay,
+                                    fused=device.type == "cuda")
+    # Every rank draws the same global batch and takes its own slice of it, so N processes see
+    # exactly the batches one process would with N times the batch size.
+    _, train_tokens, val_tokens = load_prepared(run.data_dir)
+    batches = partial(Batches, block_size=run.model.block_size, batch_size=tc.batch_size * world_size,
+                      device=device, seed=tc.seed, on_device=run.data.on_device)
+    eval_batches = {"train": batches(train_tokens), "val": batches(val_tokens)}  # fixed: same at every eval
+    state = TrainingState(model, optimizer, batches(train_tokens), run, run_dir, master)
+    if tc.resume:
+        optimizer.load_state_dict(run.source.optimizer)
+        state.step, state.best_val = run.source.step, run.source.best_val
+        checkpoint.restore_rng(run.source.rng)
+        state.batches.load_state_dict(run.source.rng["batches"])
+        print0(f"resumed from {tc.resume} at step {state.step} (best val {state.best_val:.4f})")
+    compiled = tc.compile is True or (tc.compile == "auto" and device.type == "cuda")
+    stepped = torch.compile(model) if compiled else model
+    if world_size > 1:
+        stepped = DDP(stepped, device_ids=[device.index] if device.type == "cuda" else None)
+    c, tokens_per_step = run.model, tc.batch_size * world_size * tc.grad_accum * run.model.block_size
+    print0(f"model: {model.num_params() / 1e6:.2f}M parameters, n_layer={c.n_layer} n_head={c.n_head} "
+           f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} block_size={c.block_size}, KV cache per token: "
+           f"{c.kv_cache_formula()} | data: {run.meta['tokenizer']} vocab {run.meta['vocab_size']}, "
+           f"{len(train_tokens):,} train tokens | {tokens_per_step:,} tokens/step on {world_size} x "
+           f"{device} | run dir: {run_dir}")
+    return state, stepped, eval_batches
 
 
-def start_wandb(wandb_cfg, run_dir: Path, config: dict):
-    """The wandb run (None when wandb.mode is disabled), started before any work so that a missing
-    API key or a bad setting stops the run at once."""
-    if wandb_cfg.mode == "disabled":
-        return None
-    import wandb  # seconds to import, and not on every machine: only when asked for
-
-    try:
-        return wandb.init(mode=wandb_cfg.mode, project=wandb_cfg.project, name=wandb_cfg.name,
-                          dir=str(run_dir), config=config)
-    except wandb.errors.Error as e:
-        fix = "; or log locally with wandb.mode=offline" if wandb_cfg.mode == "online" else ""
-        raise ValueError(f"wandb.mode={wandb_cfg.mode}: {one_line(e)}{fix}") from e
-
-
-def print_sample(model: GPT, meta: dict, n_tokens: int, seed: int) -> None:
-    tokenizer = tokenizer_from_meta(meta)
-    device = model.wte.weight.device
-    prompt = torch.tensor([tokenizer.encode("\n")], device=device)
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = model.eval().generate(prompt, n_tokens, temperature=0.8, top_k=200, generator=g,
-                                vocab_size=tokenizer.vocab_size)
-    say(f"--- sample ---{tokenizer.decode(out[0].tolist())}\n--- end of sample ---")
-
-
-@contextmanager
-def stop_requests():
-    """Yields a list that SIGINT and SIGTERM append to, which the loop checks after each step:
-    an interrupted run saves a checkpoint and exits cleanly instead of dying mid-write. A second
-    signal (a step that takes too long) stops at once, without saving."""
-    received = []
-
-    def request(signum, frame):
-        if received:
-            raise KeyboardInterrupt
-        received.append(signum)
-        if int(os.environ.get("RANK", 0)) == 0:  # os.write: print() may be mid-write, not reentrant
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save (again: "
-                        f"stop now, unsaved)\n".encode())
-
-    signals = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
-    previous = {sig: signal.signal(sig, request) for sig in signals}  # an ignored SIGINT stays ignored
-    try:
-        yield received
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
+    if step < tc.warmup_iters:
+        return tc.lr * (step + 1) / (tc.warmup_iters + 1)
+    if step >= tc.lr_decay_iters:
+        return tc.min_lr
+    progress = (step - tc.warmup_iters) / max(1, tc.lr_decay_iters - tc.warmup_iters)
+    return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: DictConfig, run_dir, resume: Checkpoint | None = None) -> dict:
-    """Train as `cfg` says, writing metrics, checkpoints and a loss plot to run_dir, which must
-    not hold another run (see checkpoint.claim_run_dir). Every option is checked, and a resumed
-    checkpoint read (unless the caller has, `resume`), before any work starts."""
-    tcfg, dcfg = config_object(cfg.train, "train."), config_object(cfg.data, "data.")
-    model_config(cfg.model, vocab_size=1)  # the model options' ranges, checked before any work
-    if cfg.wandb.mode not in WANDB_MODES:
-        raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
-    corpus_files(dcfg)  # the corpus's files exist
-    if tcfg.resume:
-        resume = resume or checkpoint.load(tcfg.resume, option="train.resume")
-        checkpoint.remove_stale_temp_files(checkpoint.find(tcfg.resume).parent)
-        checkpoint.check_resumable(resume, model_config(cfg.model, resume.model_config.vocab_size),
-                                   f"train.resume={tcfg.resume}")
-        if resume.step > tcfg.max_iters:
-            raise ValueError(f"train.max_iters={tcfg.max_iters} is below the step train.resume reached "
-                             f"({resume.step}): set train.max_iters={resume.step} or more")
-    elif cfg.init_from:
-        checkpoint.check_init_from(cfg.init_from)
-    resume = resume if tcfg.resume else None
-    rank, world_size, device = init_distributed(tcfg.device)
-    run_dir = checkpoint.claim_run_dir(run_dir) if rank == 0 else Path(run_dir)
+def train(run: RunConfig, run_dir) -> dict:
+    """Train as `run` says, writing metrics, checkpoints and a loss plot to run_dir, which must
+    not hold another run. Ctrl-C or SIGTERM saves ckpt.pt and returns {"interrupted": signal}."""
+    rank, world_size, device = init_distributed(run.device)
+    master, tc = rank == 0, run.train
+    run_dir = claim_run_dir(run_dir) if master else Path(run_dir)
     try:
-        return fit(cfg, tcfg, dcfg, resume, run_dir, rank, world_size, device)
+        if master and tc.resume:
+            remove_stale_temp_files(checkpoint.find(tc.resume).parent)
+        log = MetricsLog(run_dir, run.config, master, run.source.step if tc.resume else 0, tc.max_iters)
+        state, model, eval_batches = build(run, run_dir, device, world_size, master)
+        amp, lo, hi = autocast(device, tc.dtype), rank * tc.batch_size, (rank + 1) * tc.batch_size
+        tokens_per_step = tc.batch_size * world_size * tc.grad_accum * run.model.block_size
+        t0, tokens_since = time.perf_counter(), 0
+        with stop_requests() as stop:
+            while True:
+                if master and (state.step % tc.eval_interval == 0 or state.step == tc.max_iters):
+                    evaluate(state, eval_batches, amp, log)
+                    t0, tokens_since = time.perf_counter(), 0  # throughput counts training only
+                if state.step == tc.max_iters:
+                    break
+                lr = lr_at(state.step, tc)
+                for group in state.optimizer.param_groups:
+                    group["lr"] = lr
+                for micro in range(tc.grad_accum):
+                    x, y = state.batches.next()
+                    last_micro = micro == tc.grad_accum - 1  # DDP syncs gradients only then
+                    with model.no_sync() if world_size > 1 and not last_micro else nullcontext(), amp:
+                        _, loss = model(x[lo:hi], y[lo:hi])
+                    (loss / tc.grad_accum).backward()
+                if tc.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                state.optimizer.step()
+                state.optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                tokens_since += tokens_per_step
+                if state.step % tc.log_interval == 0 or state.step == tc.max_iters:
+                    loss = mean_over_ranks(loss.detach(), world_size)
+                    if not math.isfinite(loss_value := loss.item()):
+                        raise state.diverged("loss", loss_value)
+                    tokens_per_s = tokens_since / (time.perf_counter() - t0)
+                    mfu = (state.model.flops_per_token() * tokens_per_s / (tc.peak_tflops * 1e12)
+                           if device.type == "cuda" else None)
+                    log.training_step(state.step, loss_value, lr, tokens_per_s, mfu)
+                log.bar.update(1)
+                if stop.on_any_rank(device):
+                    break
+        return finish(state, log, amp, stop)
     finally:
-        checkpoint.release_run_dir(run_dir)
+        release_run_dir(run_dir)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def fit(cfg, tcfg: TrainConfig, dcfg: DataConfig, resume: Checkpoint | None, run_dir: Path,
-        rank, world_size, device) -> dict:
-    master = rank == 0
-    resolved_cfg = OmegaConf.to_container(cfg, resolve=True)
-    wandb_run = start_wandb(cfg.wandb, run_dir, resolved_cfg) if master else None
-    checkpoint.seed_rngs(tcfg.seed)
-    amp = autocast(device, tcfg.dtype)
-    with main_process_first():  # rank 0 prepares the data, the other ranks then find it
-        meta, train_tokens, val_tokens = load_prepared(prepare(dcfg))
+# ----------------------------------------------------------------------------- evaluate and save
 
-    raw_model = build_model(cfg, meta, resume).to(device)
-    config, n_params = raw_model.config, raw_model.num_params()
-    resolved_cfg["model"] = dataclasses.asdict(config)  # what was trained, init_from's included
-    optimizer = configure_optimizer(raw_model, tcfg.optimizer, tcfg.lr, (tcfg.beta1, tcfg.beta2),
-                                    tcfg.weight_decay, fused=device.type == "cuda")
+def evaluate(state: TrainingState, eval_batches: dict, amp, log: MetricsLog) -> None:
+    """Evaluate on the fixed batches; save best.pt if val improved, and ckpt.pt (not at step 0)."""
+    tc = state.run.train
+    losses = estimate_loss(state.model, eval_batches, tc.eval_iters, tc.seed, amp)
+    log.record({"step": state.step, "train_loss": losses["train"], "val_loss": losses["val"]})
+    print0(f"step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+    if not math.isfinite(losses["val"]):
+        raise state.diverged("val loss", losses["val"])
+    if state.step > 0 or state.step == tc.max_iters:
+        if losses["val"] < state.best_val:
+            state.best_val = losses["val"]
+            state.save("best.pt")
+        state.last_saved = state.save("ckpt.pt")
 
-    # Every rank draws the same global batch and takes its slice [lo:hi], so N processes see
-    # exactly the batches one process would with N times the batch size.
-    global_batch = tcfg.batch_size * world_size
-    lo, hi = rank * tcfg.batch_size, (rank + 1) * tcfg.batch_size
 
-    batches = partial(Batches, block_size=config.block_size, batch_size=global_batch, device=device,
-                      seed=tcfg.seed, on_device=dcfg.on_device)
-    eval_splits = {"train": batches(train_tokens, split="the train"),  # fixed evaluation batches
-                   "val": batches(val_tokens, split="the val")}
-    run = Run(raw_model, optimizer, batches(train_tokens), run_dir, resolved_cfg, meta, master)
-    if resume is not None:
-        load_optimizer_state(optimizer, resume.optimizer, tcfg.optimizer, f"train.resume={tcfg.resume}")
-        run.step, run.best_val = resume.step, resume.best_val
-        checkpoint.restore_rng(resume.rng)
-        run.batches.load_state_dict(resume.rng["batches"])
-        say(f"resumed from {tcfg.resume} at step {run.step} (best val {run.best_val:.4f})")
-
-    model = raw_model
-    if tcfg.compile is True or (tcfg.compile == "auto" and device.type == "cuda"):
-        model = torch.compile(model)
-    if world_size > 1:
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    tokens_per_step = global_batch * tcfg.grad_accum * config.block_size
-    say(f"model: {n_params / 1e6:.2f}M parameters, n_layer={config.n_layer} n_head={config.n_head} "
-        f"n_kv_head={config.n_kv_head} n_embd={config.n_embd} block_size={config.block_size}, "
-        f"KV cache per token: {config.kv_cache_formula()} | "
-        f"data: {meta['tokenizer']} vocab {meta['vocab_size']}, {len(train_tokens):,} train tokens | "
-        f"{tokens_per_step:,} tokens/step on {world_size} x {device} | run dir: {run_dir}")
-
-    log = RunLog(run_dir, wandb_run, master, run.step, tcfg.max_iters)
-    t0, tokens_since = time.perf_counter(), 0
-    with stop_requests() as stop:
-        while True:
-            if master and (run.step % tcfg.eval_interval == 0 or run.step == tcfg.max_iters):
-                run.evaluate(eval_splits, tcfg, amp, log)
-                t0, tokens_since = time.perf_counter(), 0  # throughput counts training only
-            if run.step == tcfg.max_iters:
-                break
-
-            lr = lr_at(run.step, tcfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for micro in range(tcfg.grad_accum):
-                x, y = run.batches.next()
-                last_micro = micro == tcfg.grad_accum - 1  # DDP syncs gradients only then
-                with model.no_sync() if world_size > 1 and not last_micro else nullcontext(), amp:
-                    _, loss = model(x[lo:hi], y[lo:hi])
-                (loss / tcfg.grad_accum).backward()
-            if tcfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.step += 1
-            tokens_since += tokens_per_step
-
-            if run.step % tcfg.log_interval == 0 or run.step == tcfg.max_iters:
-                loss = loss.detach()
-                if world_size > 1:
-                    dist.all_reduce(loss)
-                    loss /= world_size
-                if not math.isfinite(loss_value := loss.item()):
-                    raise run.diverged("loss", loss_value)
-                tokens_per_s = tokens_since / (time.perf_counter() - t0)
-                mfu = (raw_model.flops_per_token() * tokens_per_s / (tcfg.peak_tflops * 1e12)
-                       if device.type == "cuda" else None)
-                log.training_step(run.step, loss_value, lr, tokens_per_s, mfu)
-            log.bar.update(1)
-            if world_size > 1:  # all ranks stop after the same step, or one would wait forever
-                stopping = torch.tensor(float(bool(stop)), device=device)
-                dist.all_reduce(stopping)
-                if stopping.item() and not stop:
-                    stop.append(signal.SIGTERM)
-            if stop:
-                break
-    full_val = None
-    if master and not stop and tcfg.full_val:
-        full_val = split_loss(raw_model, torch.from_numpy(val_tokens.astype("int64")), amp)
-        log.record({"step": run.step, "val_loss_full": full_val})
-        say(f"step {run.step}: val loss {full_val:.4f} over the whole val split ({len(val_tokens):,} tokens)")
+def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
+    """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt."""
+    tc, run_dir, full_val = state.run.train, state.run_dir, None
+    if state.master and not stop and tc.full_val:
+        _, _, val_tokens = load_prepared(state.run.data_dir)
+        full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp)
+        log.record({"step": state.step, "val_loss_full": full_val})
+        print0(f"step {state.step}: val loss {full_val:.4f} over the whole val split "
+               f"({len(val_tokens):,} tokens)")
     log.close()
-
     if stop:
-        path = run.save("ckpt.pt")
-        say(f"{signal.Signals(stop[0]).name}: saved {path} at step {run.step}; continue with: "
-            f"python train.py train.resume={run_dir}")
-        return {"interrupted": stop[0], "step": run.step, "checkpoint": path, "run_dir": run_dir}
-    if master:
+        path = state.save("ckpt.pt")
+        print0(f"{signal.Signals(stop[0]).name}: saved {path} at step {state.step}; continue with: "
+               f"python train.py train.resume={run_dir}")
+        return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
+    if state.master:
         plot_losses(run_dir, run_dir / "loss.png")
-        if tcfg.sample_tokens > 0:
-            print_sample(raw_model, meta, tcfg.sample_tokens, tcfg.seed)
-        say(f"best val loss {run.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")
-    return {"step": run.step, "best_val": run.best_val, "val_loss_full": full_val,
+        if tc.sample_tokens > 0:
+            tokenizer, device = tokenizer_from_meta(state.run.meta), state.model.wte.weight.device
+            out = state.model.eval().generate(torch.tensor([tokenizer.encode("\n")], device=device),
+                                              tc.sample_tokens, temperature=0.8, top_k=200,
+                                              generator=torch.Generator(device=device).manual_seed(tc.seed),
+                                              vocab_size=tokenizer.vocab_size)
+            print0(f"--- sample ---{tokenizer.decode(out[0].tolist())}\n--- end of sample ---")
+        print0(f"best val loss {state.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")
+    return {"step": state.step, "best_val": state.best_val, "val_loss_full": full_val,
             "checkpoint": run_dir / "best.pt", "run_dir": run_dir}
 
 
 # ----------------------------------------------------------------------------- command line
 
-AUTO_RECIPES = {
-    True: ("shakespeare_char", "CUDA is available: nanoGPT's GPU recipe"),
-    False: ("shakespeare_char_cpu_fast", "no CUDA device: the CPU recipe, 1-3 minutes on 2 cores"),
-}
-
-
-def with_default_experiment(argv: list[str]) -> list[str]:
-    """Without experiment=..., pick the recipe for this machine and say so (not when resuming:
-    a resumed run continues with its own config)."""
-    given = dict(a.lstrip("+").partition("=")[::2] for a in argv[1:])
-    if "experiment" in given or given.get("train.resume") not in (None, "", "null"):
-        return argv
-    recipe, why = AUTO_RECIPES[torch.cuda.is_available()]
-    print(f"recipe: experiment={recipe} ({why}); choose another with experiment=...", flush=True)
-    return [*argv, f"experiment={recipe}"]
-
-
-# What a resumed run takes from this machine, not from the checkpoint: where things are and run.
-MACHINE_KEYS = ("data.cache_dir", "train.device", "train.compile", "wandb.mode")
-ABSENT = object()
-
-
-def resume_config(cfg: DictConfig, saved: dict, changed: set[str]) -> DictConfig:
-    """The config a resumed run continues with: the one saved in its checkpoint, except the keys
-    in `changed` (those the command line set) and MACHINE_KEYS, which keep cfg's values. A key the
-    saved config lacks (an older checkpoint) keeps cfg's value too; a changed model is refused
-    later, by name. Saved values are resolved: lr_decay_iters stays as saved unless typed."""
-    cfg = cfg.copy()
-    for key, value in flat(saved).items():
-        if (key not in changed and key not in MACHINE_KEYS
-                and OmegaConf.select(cfg, key, default=ABSENT) is not ABSENT):
-            OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
-
-
-def flat(config: dict, prefix: str = "") -> dict:
-    """{"a.b": leaf} for every leaf of a nested dict (lists are leaves)."""
-    out = {}
-    for key, value in config.items():
-        if isinstance(value, dict):
-            out |= flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def changed_on_command_line(cfg: DictConfig, overrides: list[str]) -> set[str]:
-    """The config keys the overrides set: each key typed, and every key a group option sets (attention=mha
-    its four keys, ~attention what mha set), composed over train.yaml's groups with none chosen."""
-    changed, leaves, options = set(), flat(OmegaConf.to_container(cfg)), []
-    primary = OmegaConf.load(Path(__file__).parent / "configs" / "train.yaml").defaults
-    groups = {key: option for entry in primary if not isinstance(entry, str) for key, option in entry.items()}
-    ConfigStore.instance().store(name="no_groups", node={"defaults": [
-        entry if isinstance(entry, str) else dict.fromkeys(entry) for entry in primary]})
-    for override in OverridesParser.create().parse_overrides(overrides):
-        key = override.key_or_group
-        if key not in groups:  # a value, or a node of values (wandb={mode: offline})
-            changed |= {key} | {leaf for leaf in leaves if leaf.startswith(f"{key}.")}
-        elif override.is_delete():  # ~attention: what its default set is unset
-            options += [f"{key}={groups[key]}"] if groups[key] else []
-        else:  # as typed: attention=mha, +attention@model=gqa, experiment=...
-            options.append(override.input_line)
-    alone = hydra.compose(config_name="no_groups", overrides=options)
-    return changed | flat(OmegaConf.to_container(alone)).keys()
-
-
-def command_line_train(cfg: DictConfig, run_dir: str, overrides: list[str]) -> dict:
-    """train() as `python train.py` runs it, given the command line's overrides: with
-    train.resume, on the checkpoint's own config plus what the command line set."""
-    resume = None
-    if cfg.train.resume:
-        resume = checkpoint.load(cfg.train.resume, option="train.resume")
-        changed = changed_on_command_line(cfg, overrides)
-        cfg = resume_config(cfg, resume.config, changed)
-        say(f"train.resume: the saved config of {cfg.train.resume}, changed here: "
-            f"{', '.join(sorted(changed - {'train.resume'})) or 'nothing'}")
-    return train(cfg, run_dir, resume)
-
-
-class RunDirGuard(Callback):
-    """Claims the run dir (checkpoint.claim_run_dir) before Hydra writes its .hydra/ there, so a
-    run into a folder that holds another run, or one another process trains in, is refused
-    before it changes anything. Rank 0 only: under torchrun the other ranks write nothing there
-    (their .hydra/ and log file are turned off below)."""
-
-    def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        if int(os.environ.get("RANK", 0)) == 0:
-            try:
-                checkpoint.claim_run_dir(config.hydra.run.dir)
-            except (OSError, ValueError) as e:  # exit here: Hydra only warns about a callback's error
-                sys.exit(f"error: {one_line(e)}")
-
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        """A sweep's jobs get their own run dirs; a sweep folder that already holds runs is refused
-        (each job's claim would refuse too, but only after Hydra rewrote its .hydra/)."""
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if found := next((p for name in checkpoint.RUN_MARKERS for p in sweep_dir.rglob(name)), None):
-            sys.exit(f"error: hydra.sweep.dir={sweep_dir} already holds runs ({found}): write this sweep "
-                     f"to another hydra.sweep.dir")
+checked_jobs: list[tuple[DictConfig, RunConfig]] = []  # the command line's jobs, checked before Hydra
 
 
 @hydra.main(config_path="configs", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
-    result = run_guarded(command_line_train, cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
+    run = next((run for job, run in checked_jobs if job == cfg), None)
+    run = run or exit_on_user_error(check_options, cfg, hydra_cfg.overrides.task)
+    result = exit_on_user_error(train, run, hydra_cfg.runtime.output_dir)
     if result.get("interrupted"):
         sys.exit(128 + result["interrupted"])  # 130 for Ctrl-C, 143 for SIGTERM, as shells expect
 
 
 if __name__ == "__main__":
-    sys.argv = with_default_experiment(sys.argv)
+    sys.argv[1:] = with_default_experiment(sys.argv[1:])
     if int(os.environ.get("RANK", 0)) > 0:  # under torchrun only rank 0 writes to the run dir
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    check_command_line(Path(__file__).parent / "configs", "train", sys.argv[1:])
+    for job_cfg, overrides in composed_jobs(CONFIGS, "train", sys.argv[1:]):  # before any run dir exists
+        checked_jobs.append((job_cfg, exit_on_user_error(check_options, job_cfg, overrides)))
     main()

@@ -34,13 +34,14 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from data.errors import check_command_line, config_object, run_guarded
 from model import GPT
-from model.checkpoint import load_model, read_metrics
+from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 from model.convert import convert_checkpoint
 from model.device import pick_device, synchronized_clock
+from model.generation import load_model
 from model.plots import pyplot, save_figure
-from train import train
+from model.run_dir import read_metrics
+from train import check_options, train
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
@@ -100,14 +101,11 @@ def variant_config(cfg: DictConfig, variant: str, seed: int) -> DictConfig:
     return out
 
 
-def uptrain_config(cfg: DictConfig, mha_dir: Path, out_dir: Path, seed: int) -> DictConfig:
-    """Convert a trained MHA model to the target variant by mean-pooling its K/V heads
-    (Ainslie et al. 2023), and the config that uptrains it for study.uptrain_iters steps."""
+def uptrain_config(cfg: DictConfig, seed: int, converted: Path | None = None) -> DictConfig:
+    """The config that uptrains the MHA model `converted` to the target variant for
+    study.uptrain_iters steps (without `converted`: the options it will have, to check them)."""
     target = variant_config(cfg, cfg.study.uptrain_to, seed)
-    n_kv_head = OmegaConf.to_container(target.model, resolve=True)["n_kv_head"]
-    converted = out_dir / f"mha_to_{cfg.study.uptrain_to}_seed{seed}.pt"
-    convert_checkpoint(mha_dir, n_kv_head, converted)
-    target.init_from = str(converted)
+    target.init_from = str(converted) if converted else None
     target.train.max_iters = cfg.study.uptrain_iters
     target.train.lr = cfg.study.uptrain_lr
     target.train.warmup_iters = min(cfg.train.warmup_iters, cfg.study.uptrain_iters // 10)
@@ -260,34 +258,46 @@ def plot(rows: dict, out_dir: Path, study) -> None:
     save_figure(fig, out_dir / "decode_by_batch.png")
 
 
-def train_row(label: str, row_dir: Path, config_for_seed, device, study) -> dict:
-    """Train once per seed into row_dir/seed<seed>, with the config `config_for_seed(seed)`
-    returns, and summarize the runs as one row of the table."""
+def uptrained(cfg: DictConfig, out_dir: Path, seed: int):
+    """Convert seed's trained MHA model to study.uptrain_to by mean-pooling its K/V heads (Ainslie
+    et al. 2023); the checked options that uptrain it."""
+    n_kv_head = OmegaConf.to_container(uptrain_config(cfg, seed).model, resolve=True)["n_kv_head"]
+    converted = out_dir / f"mha_to_{cfg.study.uptrain_to}_seed{seed}.pt"
+    convert_checkpoint(out_dir / "mha" / f"seed{seed}", n_kv_head, converted)
+    return check_options(uptrain_config(cfg, seed, converted))
+
+
+def train_row(label: str, row_dir: Path, options_for_seed, device, study) -> dict:
+    """Train once per seed into row_dir/seed<seed>, with the checked options that
+    `options_for_seed(seed)` returns, and summarize the runs as one row of the table."""
     runs = []
     for seed in study.seeds:
         print(f"=== {label}, seed {seed} ===", flush=True)
         run_dir = row_dir / f"seed{seed}"
-        runs.append(run_record(run_dir, train(config_for_seed(seed), run_dir)))
+        runs.append(run_record(run_dir, train(options_for_seed(seed), run_dir)))
     return summarize(runs, run_dir, device, study)
 
 
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     """Train every variant once per seed into out_dir/<variant>/seed<seed>, measure them, write
-    study.md, study.json and the plots."""
+    study.md, study.json and the plots. Every run's options are checked before the first trains."""
     out_dir = Path(out_dir)
-    study = config_object(cfg.study, "study.")  # checks the study's options before anything trains
-    device = pick_device(cfg.train.device, "train.device")
+    study = config_object(cfg.study, "study.")
+    with naming("train.device", "device"):
+        device = pick_device(cfg.train.device)
+    checked = {(variant, seed): check_options(variant_config(cfg, variant, seed))
+               for variant in study.variants for seed in study.seeds}
+    uptrain = study.uptrain_iters and "mha" in study.variants
+    if uptrain:
+        for seed in study.seeds:
+            check_options(uptrain_config(cfg, seed))
     rows = {}
     for variant in study.variants:
         rows[variant] = train_row(f"training {variant}", out_dir / variant,
-                                  partial(variant_config, cfg, variant), device, study)
-    if study.uptrain_iters and "mha" in rows:
+                                  lambda seed, v=variant: checked[v, seed], device, study)
+    if uptrain:
         name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"
-
-        def uptrained(seed):
-            return uptrain_config(cfg, out_dir / "mha" / f"seed{seed}", out_dir, seed)
-
-        rows[name] = train_row(name, out_dir / "uptrained", uptrained, device, study)
+        rows[name] = train_row(name, out_dir / "uptrained", partial(uptrained, cfg, out_dir), device, study)
     table = write_table(rows, out_dir / "study.md", study)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out_dir, study)
@@ -298,9 +308,9 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
 
 @hydra.main(config_path="../configs", config_name="study", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_guarded(run_study, cfg, HydraConfig.get().runtime.output_dir)
+    exit_on_user_error(run_study, cfg, HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":
-    check_command_line(Path(__file__).parents[1] / "configs", "study", sys.argv[1:])
+    composed_jobs(Path(__file__).parents[1] / "configs", "study", sys.argv[1:])  # Hydra's errors: one line
     main()

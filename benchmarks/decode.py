@@ -23,13 +23,13 @@ import time
 
 import torch
 
-from data.errors import run_guarded
 from data.prepare import DataConfig, load_prepared, prepare
 from model import GPT
-from model.checkpoint import for_decoding, latest_run, load_model
+from model.command_line import exit_on_user_error
 from model.convert import llama_weights
 from model.evaluation import split_loss
-from model.generation import compile_decode_step, stream
+from model.generation import compile_decode_step, for_decoding, load_model, stream
+from model.run_dir import latest_run
 
 PRECISIONS = {  # name: (dtype, quantize, compile)
     "fp32 (exact)": ("float32", None, False),
@@ -135,7 +135,7 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_guarded(run, args)
+    exit_on_user_error(run, args)
 
 
 def run(args) -> None:

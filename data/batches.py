@@ -13,10 +13,9 @@ class Batches:
     """
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, *, device="cpu",
-                 seed: int = 0, on_device: bool = True, split: str = "the"):
+                 seed: int = 0, on_device: bool = True):
         if len(tokens) <= block_size:
-            raise ValueError(f"model.block_size={block_size} is too long for {split} split ({len(tokens):,} "
-                             f"tokens): lower it, or give more text (data.path, data.val_fraction)")
+            raise ValueError(f"block_size={block_size} needs more tokens than {len(tokens):,}")
         self.block_size, self.batch_size = block_size, batch_size
         self.device = torch.device(device)
         self.on_device = on_device

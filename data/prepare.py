@@ -24,8 +24,8 @@ import hydra
 import numpy as np
 from hydra.core.config_store import ConfigStore
 
-from data.errors import check_command_line, config_object, run_guarded
 from data.tokenizer import BPETokenizer, CharTokenizer
+from model.command_line import composed_jobs, config_object, exit_on_user_error
 
 FORMAT_VERSION = 1
 TOKENIZERS = ("char", "bpe")
@@ -214,9 +214,9 @@ def report(cfg) -> None:
 
 @hydra.main(config_path="../configs", config_name="prepare", version_base="1.3")
 def main(cfg) -> None:
-    run_guarded(report, cfg)
+    exit_on_user_error(report, cfg)
 
 
 if __name__ == "__main__":
-    check_command_line(Path(__file__).parents[1] / "configs", "prepare", sys.argv[1:])
+    composed_jobs(Path(__file__).parents[1] / "configs", "prepare", sys.argv[1:])  # Hydra's errors: one line
     main()

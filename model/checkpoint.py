@@ -1,24 +1,14 @@
-"""The checkpoint format, read and written only here.
-
-A checkpoint is one `torch.save` file holding a dict whose keys are the fields of `Checkpoint`.
-It is written atomically (a temp file, then a rename) and read with `torch.load(weights_only=True)`,
-which never unpickles arbitrary objects.
-
-    save(run_dir / "ckpt.pt", Checkpoint(model=..., model_config=..., data_meta=...))
-    ckpt = load(run_dir)                                  # its ckpt.pt, else best.pt
-    model, ckpt = load_model(run_dir, "cpu")              # its best.pt, as a GPT in eval mode
-    ckpt = init_from("path/to/gpt2")                      # a Hugging Face GPT-2 dir, or ours
-
-and the run dirs these live in: claim_run_dir, latest_run, read_metrics.
+"""The checkpoint format, read and written only here: one `torch.save` file of a dict whose keys
+are the fields of `Checkpoint`, written atomically (a temp file, then a rename) and read with
+`torch.load(weights_only=True)`, which never unpickles arbitrary objects; and the RNG state a
+checkpoint keeps so that a resumed run continues exactly.
 """
 
 import dataclasses
-import json
 import math
 import os
 import random
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,19 +16,9 @@ import numpy as np
 import torch
 
 from model.config import GPTConfig
-from model.device import DTYPES, decode_precision, pick_device
 from model.gpt import GPT
-from model.quantize import quantize_int8
+from model.run_dir import RUN_FILES
 
-try:
-    import fcntl  # run-dir locks, where the OS has flock (Linux, macOS)
-except ImportError:
-    fcntl = None
-
-RUN_FILES = ("ckpt.pt", "best.pt")  # what a run dir holds: the last state, and the best val loss
-METRICS_FILE = "metrics.jsonl"  # one JSON record per line, written by train.py's RunLog
-RUN_MARKERS = (*RUN_FILES, METRICS_FILE)  # a folder holding any of these holds a run
-LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
 GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
 
 
@@ -57,19 +37,17 @@ class Checkpoint:
     converted_from: dict | None = None           # set by model.convert
 
 
-def find(path, prefer: str = "ckpt.pt", option: str | None = None) -> Path:
+def find(path, prefer: str = "ckpt.pt") -> Path:
     """A checkpoint file, or the one in a run dir: `prefer` (ckpt.pt, the last, to resume;
-    best.pt to sample), else the other. `option` (ckpt, train.resume, ...) is the setting that
-    gave the path, named in the errors."""
+    best.pt to sample), else the other."""
     path = Path(path).expanduser()
-    said = f"{option}: " if option else ""
     if path.is_dir():
         for name in sorted(RUN_FILES, key=lambda n: n != prefer):
             if (path / name).is_file():
                 return path / name
-        raise FileNotFoundError(f"{said}no checkpoint ({' or '.join(RUN_FILES)}) in {path}")
+        raise FileNotFoundError(f"no checkpoint ({' or '.join(RUN_FILES)}) in {path}")
     if not path.is_file():
-        raise FileNotFoundError(f"{said}checkpoint not found: {path}")
+        raise FileNotFoundError(f"checkpoint not found: {path}")
     return path
 
 
@@ -132,15 +110,13 @@ def current_umask() -> int:
     return umask
 
 
-def load(path, prefer: str = "ckpt.pt", option: str | None = None) -> Checkpoint:
-    """The checkpoint at `path` (a file or a run dir), its model config built and checked.
-    `option` (ckpt, train.resume, ...) is the setting that gave the path, named in the errors."""
-    path = find(path, prefer, option)
-    said = f"{option}: " if option else ""
+def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
+    """The checkpoint at `path` (a file or a run dir), its model config built and checked."""
+    path = find(path, prefer)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001  not torch's, cut short, unsafe: any file may fail in any way
-        raise ValueError(f"{said}cannot read checkpoint {path}: not a kvgpt checkpoint, or a damaged one "
+        raise ValueError(f"cannot read checkpoint {path}: not a kvgpt checkpoint, or a damaged one "
                          f"(torch.load: {type(e).__name__})") from e
     keys = {f.name for f in dataclasses.fields(Checkpoint)}
     required = {f.name for f in dataclasses.fields(Checkpoint)
@@ -150,144 +126,15 @@ def load(path, prefer: str = "ckpt.pt", option: str | None = None) -> Checkpoint
             or not isinstance(state["model"], dict) or not isinstance(state["model_config"], dict)
             or not state["model_config"].keys() <= config_keys):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{said}{path} is not a kvgpt checkpoint (it holds {found})")
+        raise ValueError(f"{path} is not a kvgpt checkpoint (it holds {found})")
     ckpt = Checkpoint(**state)
     try:
         ckpt.model_config = GPTConfig(**ckpt.model_config)
     except ValueError as e:
-        raise ValueError(f"{said}{path} has an invalid model config: {e}") from e
+        raise ValueError(f"{path} has an invalid model config: {e}") from e
     # Checkpoints written before save() stripped it name every weight `_orig_mod.<name>`.
     ckpt.model = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
     return ckpt
-
-
-def check_resumable(ckpt: Checkpoint, config: GPTConfig, option: str) -> None:
-    """A run given by `option` (train.resume=...) continues `ckpt` only with the same model
-    (dropout aside) and only from a checkpoint that holds the training state."""
-    for name, value in dataclasses.asdict(config).items():
-        saved = getattr(ckpt.model_config, name)
-        if name != "dropout" and saved != value:
-            raise ValueError(f"{option}: its model has model.{name}={saved!r} but this run asks for "
-                             f"{value!r}: a resumed run keeps its model (drop that override, or start "
-                             f"a new run from it with init_from=...)")
-    if ckpt.optimizer is None:
-        raise ValueError(f"{option} holds no training state (a converted checkpoint?): start from it "
-                         f"with init_from instead")
-
-
-# ----------------------------------------------------------------------------- run directories
-
-held_run_dirs: dict[Path, int] = {}  # run dir -> the open lock file descriptor this process holds
-
-
-def claim_run_dir(run_dir, option: str = "hydra.run.dir") -> Path:
-    """Make run_dir this process's to train in, before anything is written there. Refused when
-    another process trains in it (its lock is held) or when it already holds a run; temp files
-    that a process killed mid-save left there are removed. Idempotent within a process;
-    release_run_dir gives it back (so does the process's exit)."""
-    run_dir = Path(run_dir).expanduser().resolve()
-    if run_dir in held_run_dirs:
-        return run_dir
-    if found := run_files(run_dir):  # checked before anything is created there, a lock file included
-        raise in_use_error(run_dir, option) if in_use(run_dir) else holds_run_error(run_dir, found, option)
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise type(e)(f"{option}: cannot write to {run_dir}: {e.strerror or e}") from e
-    if not lock(fd):
-        os.close(fd)
-        raise in_use_error(run_dir, option)
-    if found := run_files(run_dir):  # a run that finished there since the first look
-        os.close(fd)
-        raise holds_run_error(run_dir, found, option)
-    unlink_temp_files(run_dir)  # ours now: no live process writes them
-    held_run_dirs[run_dir] = fd
-    return run_dir
-
-
-def run_files(run_dir: Path) -> list[str]:
-    return [name for name in RUN_MARKERS if (run_dir / name).exists()]
-
-
-def in_use_error(run_dir: Path, option: str) -> ValueError:
-    return ValueError(f"{option}={run_dir} is in use: another process is training there; "
-                      f"write this run to another {option}")
-
-
-def holds_run_error(run_dir: Path, found: list[str], option: str) -> FileExistsError:
-    return FileExistsError(f"{option}={run_dir} already holds a run ({found[0]}), which this one would "
-                           f"overwrite: continue it with train.resume={run_dir}, or write to another "
-                           f"{option}")
-
-
-def release_run_dir(run_dir) -> None:
-    fd = held_run_dirs.pop(Path(run_dir).expanduser().resolve(), None)
-    if fd is not None:
-        os.close(fd)  # which releases the lock
-
-
-def lock(fd: int) -> bool:
-    """Take an exclusive lock on an open file without waiting; False if another process has it.
-    Where flock does not exist (Windows), there is no lock and this says True."""
-    if fcntl is None:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
-
-
-@contextmanager
-def lock_if_free(run_dir: Path):
-    """Yields whether this process got run_dir's lock (False: a live process holds it, or there
-    is no lock file: not a run dir of ours); the lock is released on leaving."""
-    try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
-    except OSError:
-        yield False
-        return
-    try:
-        yield lock(fd)
-    finally:
-        os.close(fd)
-
-
-def in_use(run_dir: Path) -> bool:
-    """Whether a live process holds run_dir's lock."""
-    with lock_if_free(run_dir) as got:
-        return (run_dir / LOCK_FILE).is_file() and not got
-
-
-def remove_stale_temp_files(run_dir) -> list[Path]:
-    """Delete the temp files of saves that never finished (the process was killed) in a run dir
-    of ours, while holding its lock, so no live process is writing them."""
-    with lock_if_free(Path(run_dir)) as got:
-        return unlink_temp_files(Path(run_dir)) if got else []
-
-
-def unlink_temp_files(run_dir: Path) -> list[Path]:
-    """Delete run_dir's `.ckpt.pt.*` / `.best.pt.*` temp files; the caller holds its lock."""
-    temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
-    for temp in temps:
-        temp.unlink(missing_ok=True)
-    return temps
-
-
-def latest_run(root="outputs") -> Path:
-    """The run dir under `root` whose checkpoint was written last (what `python generate.py`
-    samples from when no ckpt is given)."""
-    checkpoints = [p for name in RUN_FILES for p in Path(root).rglob(name) if p.is_file()]
-    if not checkpoints:
-        raise FileNotFoundError(f"ckpt is not set and {root}/ holds no run with a checkpoint: train one "
-                                f"with `python train.py`, or give ckpt=<run dir or checkpoint file>")
-    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
-
-
-def read_metrics(run_dir) -> list[dict]:
-    """The records of a run's metrics.jsonl (train.py writes one JSON object per line)."""
-    return [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
 
 
 def seed_rngs(seed: int) -> None:
@@ -323,7 +170,7 @@ def unwrap(model) -> GPT:
     return getattr(model, "_orig_mod", model)
 
 
-def load_weights(model, weights: dict, source) -> None:
+def load_weights(model, weights: dict) -> None:
     """Load a state dict into a GPT (wrapped or not), first checking that every tensor is there
     with the shape the model's config gives it."""
     model = unwrap(model)
@@ -332,39 +179,9 @@ def load_weights(model, weights: dict, source) -> None:
         got, want = weights.get(name), expected.get(name)
         if got is None or want is None or got.shape != want.shape:
             describe = lambda t: "absent" if t is None else f"shape {tuple(t.shape)}"
-            raise ValueError(f"{source}: weights do not match its model config ({name}: "
+            raise ValueError(f"weights do not match its model config ({name}: "
                              f"{describe(got)} in the checkpoint, {describe(want)} in the model)")
     model.load_state_dict(weights)
-
-
-def load_model(path, device="auto", dtype: str = "auto", quantize: str | None = "auto",
-               option: str = "ckpt"):
-    """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt) ready to decode,
-    as `for_decoding` makes it; the Checkpoint)."""
-    device = pick_device(device) if isinstance(device, str) else device
-    decode_precision(device, dtype, quantize)  # the options' names are checked before loading
-    ckpt = load(path, prefer="best.pt", option=option)
-    model = GPT(ckpt.model_config)
-    load_weights(model, ckpt.model, f"{option}={path}")
-    return for_decoding(model, device, dtype, quantize), ckpt
-
-
-def for_decoding(model: GPT, device, dtype: str = "auto", quantize: str | None = "auto") -> GPT:
-    """The model in eval mode on `device`, in the precision `decode_precision` picks (int8
-    weights when it says so)."""
-    device = pick_device(device) if isinstance(device, str) else device
-    dtype, quantize = decode_precision(device, dtype, quantize, model.num_params())
-    if quantize == "int8":
-        quantize_int8(model)
-    return model.to(device=device, dtype=DTYPES[dtype]).eval()
-
-
-def check_init_from(path) -> None:
-    """init_from names a Hugging Face GPT-2 directory or one of our checkpoints (checked before a
-    run does any work; init_from reads it)."""
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        find(path, prefer="best.pt", option="init_from")
 
 
 def init_from(path) -> Checkpoint:
@@ -375,4 +192,4 @@ def init_from(path) -> Checkpoint:
     if (path / "config.json").is_file():
         model = GPT.from_pretrained(path)
         return Checkpoint(model=model.state_dict(), model_config=model.config, data_meta=GPT2_DATA_META)
-    return load(path, prefer="best.pt", option="init_from")
+    return load(path, prefer="best.pt")

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from data.errors import run_guarded
 from model import checkpoint
 from model.checkpoint import Checkpoint
+from model.command_line import exit_on_user_error, naming
 from model.config import GPTConfig
 
 
@@ -95,7 +95,8 @@ def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
         example = out / "converted.pt" if out.is_dir() else out.with_name(f"{out.stem}_converted.pt")
         raise FileExistsError(f"--out {out} already exists (nothing is overwritten): give a new file "
                               f"name, e.g. --out {example}")
-    ckpt = checkpoint.load(src, prefer="best.pt", option="ckpt")
+    with naming("ckpt"):
+        ckpt = checkpoint.load(src, prefer="best.pt")
     weights, new_config = mean_pool_kv(ckpt.model, ckpt.model_config, n_kv_head)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--n-kv-head", type=int, required=True, help="the target number of key/value heads")
     p.add_argument("--out", required=True, help="where to write the converted checkpoint")
     args = p.parse_args(argv)
-    old, new = run_guarded(convert_checkpoint, args.ckpt, args.n_kv_head, args.out)
+    old, new = exit_on_user_error(convert_checkpoint, args.ckpt, args.n_kv_head, args.out)
     print(f"{args.out}: n_kv_head {old.n_kv_head} -> {new.n_kv_head} (KV cache "
           f"{old.n_kv_head / new.n_kv_head:g}x smaller); uptrain with train.py init_from={args.out}")
 

@@ -1,43 +1,48 @@
 """Where and in what precision a model runs: the device a name picks, the processes of a
-torchrun job, training's autocast, the dtypes a model can be loaded in, and a clock that waits
-for the device."""
+torchrun job (and printing from the first), training's autocast, the precision a model decodes
+in, and a clock that waits for the device."""
 
 import os
 import re
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def check_device(name: str, option: str = "device") -> str:
-    """A device name this project runs on: auto, cpu, cuda or cuda:N (checked when the config is
-    built; whether CUDA is there is checked when the device is picked)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(name)):
-        raise ValueError(f"{option}={name!r} is not one of auto, cpu, cuda, cuda:N")
-    return name
-
-
-def pick_device(name: str = "auto", option: str = "device") -> torch.device:
-    """`auto` is CUDA when it is available, else the CPU. `option` is the config key the name
-    came from, for the error message."""
-    if check_device(name, option) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{option}={name} but CUDA is not available: use {option}=cpu or auto")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        raise ValueError(f"{option}={name} but this machine has {torch.cuda.device_count()} CUDA devices")
+def check_device(device: str) -> str:
+    """A device name this project runs on: auto, cpu, cuda or cuda:N (whether CUDA is there is
+    checked when the device is picked)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(device)):
+        raise ValueError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N")
     return device
 
 
-def init_distributed(device_name: str, option: str = "train.device") -> tuple[int, int, torch.device]:
+def pick_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when it is available, else the CPU."""
+    if check_device(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    picked = torch.device(device)
+    if picked.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device} but CUDA is not available: use device=cpu or auto")
+    if picked.type == "cuda" and picked.index is not None and picked.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device} but this machine has {torch.cuda.device_count()} CUDA devices")
+    return picked
+
+
+def print0(message: str) -> None:
+    """Print from the first process only (under torchrun every process runs the same code)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        tqdm.write(message)
+
+
+def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world_size, device). Under torchrun: one process group (NCCL on GPU, gloo on CPU),
-    each process on its own GPU. Otherwise (0, 1, the device the name picks)."""
-    device = pick_device(device_name, option)
+    each process on its own GPU. Otherwise (0, 1, device)."""
     if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return 0, 1, device
     if device.type == "cuda":
@@ -47,22 +52,12 @@ def init_distributed(device_name: str, option: str = "train.device") -> tuple[in
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
-@contextmanager
-def main_process_first():
-    """Under torchrun, the body runs on rank 0 first and on the other ranks after it, so they
-    find what rank 0 prepared instead of all preparing it at once."""
-    rank = dist.get_rank() if dist.is_initialized() else None
-    if rank not in (None, 0):
-        dist.barrier()
-    yield
-    if rank == 0:
-        dist.barrier()
-
-
-def check_dtype(dtype: str, option: str = "dtype") -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"{option} must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+def mean_over_ranks(value: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The sum over ranks divided by world_size (1: the sum); itself in a single process."""
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= world_size
+    return value
 
 
 # On a CPU a decode step reads every weight once per token. Above this many parameters (16 MB in
@@ -94,7 +89,7 @@ def autocast(device: torch.device, dtype: str = "auto"):
     """The training precision: bf16 autocast on CUDA by default, plain float32 on CPU."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    if check_dtype(dtype, "train.dtype") == torch.float32:
+    if DTYPES[dtype] == torch.float32:
         return nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 

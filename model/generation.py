@@ -1,15 +1,13 @@
-"""Producing tokens from a GPT: sampling, batched prompts, the cached and uncached streams, the
-compiled one-token decode step, and timing.
+"""Producing tokens from a GPT: loading a checkpoint to decode, sampling, batched prompts, the
+cached and uncached streams, the compiled one-token decode step, and timing.
 
+    model, ckpt = load_model("outputs/<run>")               # its best.pt, ready to decode
     generate(model, idx, 100, temperature=0.8, top_k=200)   # prompt + 100 new tokens
     for token in stream(model, idx, 100): ...               # (B,) new tokens, one step at a time
 
-`GPT.generate` is `generate` as a method. Both paths (`kv_cache=True/False`) draw random numbers
-in the same order, so while prompt + new tokens fit in block_size they produce the same tokens
-with the same seed. Past it they differ by design: the uncached reference crops the context to
-the last block_size tokens at every step, while the cache is refilled once from the last
-block_size // 2 and then grows again. Either way, each row of a batch is generated exactly as
-its prompt would be alone: its own positions, its own context, its own refills.
+With and without the cache the same tokens come out while prompt + new tokens fit in block_size
+(past it the uncached reference crops the context at every step, the cache refills from the last
+block_size // 2); each row of a batch is generated exactly as its prompt would be alone.
 """
 
 import math
@@ -18,7 +16,30 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.device import synchronized_clock
+from model.device import DTYPES, decode_precision, pick_device, synchronized_clock
+from model.quantize import quantize_int8
+
+
+def load_model(path, device="auto", dtype: str = "auto", quantize: str | None = "auto"):
+    """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt) ready to decode,
+    as `for_decoding` makes it; the Checkpoint)."""
+    from model.checkpoint import load, load_weights  # (checkpoint imports gpt, which imports this)
+    from model.gpt import GPT
+
+    ckpt = load(path, prefer="best.pt")
+    model = GPT(ckpt.model_config)
+    load_weights(model, ckpt.model)
+    return for_decoding(model, device, dtype, quantize), ckpt
+
+
+def for_decoding(model, device="auto", dtype: str = "auto", quantize: str | None = "auto"):
+    """The model in eval mode on `device`, in the precision `decode_precision` picks (int8
+    weights when it says so)."""
+    device = pick_device(device) if isinstance(device, str) else device
+    dtype, quantize = decode_precision(device, dtype, quantize, model.num_params())
+    if quantize == "int8":
+        quantize_int8(model)
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
 def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None) -> None:
@@ -37,8 +58,7 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     """One token per row from logits (B, vocab): greedy at temperature 0, else softmax sampling
     restricted to the top_k tokens and to the smallest set whose probability reaches top_p.
     `generator` is one torch.Generator for the batch, or a list of one per row: then each row
-    draws exactly what it would draw alone with its generator."""
-    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    draws exactly what it would draw alone with its generator. The options are `stream`'s to check."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -115,7 +135,7 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
-    logits, cache_pad = run_context(model, tokens[:, :length], block_size, cache, pad)  # prefill
+    logits, cache_pad = prefill(model, tokens[:, :length], block_size, cache, pad)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         yield token
@@ -124,16 +144,16 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
         tokens[:, length] = token
         length += 1
         if cache is None:
-            logits, _ = run_context(model, tokens[:, :length], block_size, None, pad)
+            logits, _ = prefill(model, tokens[:, :length], block_size, None, pad)
             continue
         if cache.length == cache.max_len:
             cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad)
         logits = step(token[:, None], cache, cache_pad)
 
 
-def run_context(model, tokens, context_len, cache=None, pad=None):
-    """(logits (B, vocab) after the last context_len of `tokens` (B, length), run from scratch
-    into an emptied cache if one is given; the padding (B,) of that context, or None)."""
+def prefill(model, tokens, context_len, cache=None, pad=None):
+    """Run the last context_len of `tokens` (B, length) from scratch, into an emptied cache if one
+    is given: (the logits (B, vocab) after it, the padding (B,) of that context or None)."""
     length = tokens.size(1)
     context = tokens[:, max(0, length - context_len):]                   # (B, <= context_len)
     context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)

@@ -16,16 +16,12 @@ import torch.nn as nn
 OPTIMIZERS = ("adamw", "muon")
 
 
-def check_optimizer(name: str, option: str = "train.optimizer") -> str:
-    if name not in OPTIMIZERS:
-        raise ValueError(f"{option}={name!r} is not one of {', '.join(OPTIMIZERS)}")
-    return name
-
-
 def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, float],
                         weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
     """The optimizer `name` over the model's trainable parameters (see the module docstring)."""
-    muon_wanted = check_optimizer(name) == "muon"
+    if name not in OPTIMIZERS:
+        raise ValueError(f"name={name!r} is not one of {', '.join(OPTIMIZERS)}")
+    muon_wanted = name == "muon"
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     on_muon = [n for n, p in params.items() if muon_wanted and p.dim() == 2 and n.startswith("blocks.")]
     rest = [p for n, p in params.items() if n not in on_muon]
@@ -66,11 +62,6 @@ class MuonAndAdamW:
             optimizer.load_state_dict(state[name])
 
 
-def load_optimizer_state(optimizer, state: dict, name: str, source: str) -> None:
-    """A checkpoint's optimizer state into `optimizer` (built as train.optimizer=`name` says);
-    a state saved by the other optimizer is refused by name."""
-    saved = "muon" if set(state) == {"muon", "adamw"} else "adamw"
-    if saved != name:
-        raise ValueError(f"{source} was trained with train.optimizer={saved}, not {name}: resume with "
-                         f"train.optimizer={saved}")
-    optimizer.load_state_dict(state)
+def optimizer_name(state: dict) -> str:
+    """The optimizer (one of OPTIMIZERS) that saved a state dict."""
+    return "muon" if set(state) == {"muon", "adamw"} else "adamw"

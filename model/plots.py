@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from model.checkpoint import read_metrics
+from model.run_dir import read_metrics
 
 
 def pyplot():

@@ -60,8 +60,8 @@ def tiny_run(char_data) -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
     """The run dir of a 30-step training run of the tiny model."""
-    from train import train
+    from tests.helpers import train_checked
 
     run_dir = tmp_path_factory.mktemp("tiny_ckpt")
-    train(compose(*tiny_run, "train.max_iters=30", "train.eval_interval=15"), run_dir)
+    train_checked(compose(*tiny_run, "train.max_iters=30", "train.eval_interval=15"), run_dir)
     return run_dir

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig
-from model.checkpoint import read_metrics  # noqa: F401  (tests import it from here)
+from model.run_dir import read_metrics  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
@@ -67,6 +67,13 @@ def compose(*overrides: str, config_name: str = "train"):
 
     with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
         return hydra_compose(config_name, overrides=list(overrides))
+
+
+def train_checked(cfg, run_dir, overrides: list[str] | None = None) -> dict:
+    """A training run in this process, as Python starts one: train(check_options(cfg), run_dir)."""
+    from train import check_options, train
+
+    return train(check_options(cfg, overrides), run_dir)
 
 
 def data_config(*overrides: str):

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 from model import GPT, checkpoint
-from model.checkpoint import Checkpoint, load_model
+from model.checkpoint import Checkpoint
+from model.command_line import naming
+from model.generation import load_model
 from model.quantize import Int8Linear
+from model.run_dir import RUN_MARKERS, claim_run_dir, latest_run, release_run_dir, remove_stale_temp_files
 from tests.helpers import ROOT, tiny_config, tiny_model
 
 
@@ -57,15 +60,16 @@ def test_checkpoints_load_with_weights_only(tmp_path):
                          ids=["foreign keys", "not a dict", "model not a dict", "unknown config field"])
 def test_a_torch_file_that_is_not_ours_is_named_as_such(tmp_path, content):
     torch.save(content, tmp_path / "foreign.pt")
-    with pytest.raises(ValueError, match=r"^ckpt: .*foreign\.pt is not a kvgpt checkpoint"):
-        checkpoint.load(tmp_path / "foreign.pt", option="ckpt")
+    with pytest.raises(ValueError, match=r"^ckpt: .*foreign\.pt is not a kvgpt checkpoint"), naming("ckpt"):
+        checkpoint.load(tmp_path / "foreign.pt")
 
 
-def test_errors_name_the_option_and_keep_their_cause(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"^train\.resume: checkpoint not found"):
-        checkpoint.load(tmp_path / "missing.pt", option="train.resume")
+def test_errors_named_by_the_command_line_keep_their_type_and_cause(tmp_path):
+    missing = pytest.raises(FileNotFoundError, match=r"^train\.resume: checkpoint not found")
+    with missing, naming("train.resume"):
+        checkpoint.load(tmp_path / "missing.pt")
     (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(ValueError, match=r"^ckpt: cannot read checkpoint") as info:
+    with pytest.raises(ValueError, match=r"^ckpt: cannot read checkpoint") as info, naming("ckpt"):
         load_model(tmp_path / "corrupt.pt", "cpu")
     assert info.value.__cause__ is not None  # HYDRA_FULL_ERROR=1 shows what torch said
     model = tiny_model()
@@ -122,22 +126,22 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_temp_file(tmp_
 
 
 def test_a_run_dir_is_claimed_once_and_never_over_a_run(tmp_path):
-    run_dir = checkpoint.claim_run_dir(tmp_path / "run")
-    assert checkpoint.claim_run_dir(tmp_path / "run") == run_dir  # idempotent in one process
-    in_use = subprocess.run([sys.executable, "-c", "import sys; from model import checkpoint; "
-                             "checkpoint.claim_run_dir(sys.argv[1])", str(run_dir)],
+    run_dir = claim_run_dir(tmp_path / "run")
+    assert claim_run_dir(tmp_path / "run") == run_dir  # idempotent in one process
+    in_use = subprocess.run([sys.executable, "-c", "import sys; from model.run_dir import claim_run_dir; "
+                             "claim_run_dir(sys.argv[1])", str(run_dir)],
                             cwd=ROOT, capture_output=True, text=True)
     assert in_use.returncode != 0 and "is in use: another process is training there" in in_use.stderr
     write(run_dir / "ckpt.pt", tiny_model())
-    checkpoint.release_run_dir(run_dir)
-    for marker in checkpoint.RUN_MARKERS:
+    release_run_dir(run_dir)
+    for marker in RUN_MARKERS:
         (tmp_path / marker).mkdir()
         (tmp_path / marker / marker).touch()
         with pytest.raises(FileExistsError, match=rf"already holds a run \({marker}\).*train.resume="):
-            checkpoint.claim_run_dir(tmp_path / marker, "hydra.run.dir")
-    with pytest.raises(OSError, match=r"^hydra.run.dir: cannot write to .*a_file/run"):
+            claim_run_dir(tmp_path / marker)
+    with pytest.raises(OSError, match=r"^run_dir: cannot write to .*a_file/run"):
         (tmp_path / "a_file").touch()
-        checkpoint.claim_run_dir(tmp_path / "a_file" / "run")
+        claim_run_dir(tmp_path / "a_file" / "run")
 
 
 def test_temp_files_of_a_killed_save_go_at_the_next_start_unless_a_writer_lives(tmp_path):
@@ -147,29 +151,29 @@ def test_temp_files_of_a_killed_save_go_at_the_next_start_unless_a_writer_lives(
     for temp in litter:
         temp.write_bytes(b"half a checkpoint")
     (run_dir / "keep.txt").touch()
-    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from model import checkpoint; "
-                               "checkpoint.claim_run_dir(sys.argv[1]); print('ok', flush=True); "
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from model.run_dir import "
+                               "claim_run_dir; claim_run_dir(sys.argv[1]); print('ok', flush=True); "
                                "time.sleep(60)", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline() == "ok\n"
         for temp in litter:  # the claim removed those of a dead writer; now a live one may write
             temp.write_bytes(b"being written")
-        assert checkpoint.remove_stale_temp_files(run_dir) == []
+        assert remove_stale_temp_files(run_dir) == []
     finally:
         writer.kill()
         writer.wait()
-    assert sorted(checkpoint.remove_stale_temp_files(run_dir)) == sorted(litter)
+    assert sorted(remove_stale_temp_files(run_dir)) == sorted(litter)
     assert [p.name for p in run_dir.iterdir() if not p.name.startswith(".lock")] == ["keep.txt"]
 
 
 def test_the_latest_run_is_the_one_written_last(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"ckpt is not set and .*outputs/ holds no run"):
-        checkpoint.latest_run(tmp_path / "outputs")
+        latest_run(tmp_path / "outputs")
     for i, name in enumerate(["2026-01-02/10-00-00", "2026-01-01/09-00-00", "multirun_like/0_x"]):
         (tmp_path / "outputs" / name).mkdir(parents=True)
         write(tmp_path / "outputs" / name / "best.pt", tiny_model())
         os.utime(tmp_path / "outputs" / name / "best.pt", (1_000_000 + i, 1_000_000 + i))
-    assert checkpoint.latest_run(tmp_path / "outputs") == tmp_path / "outputs" / "multirun_like/0_x"
+    assert latest_run(tmp_path / "outputs") == tmp_path / "outputs" / "multirun_like/0_x"
 
 
 def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
@@ -182,11 +186,11 @@ def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
     assert not any(k.startswith("_orig_mod.") for k in raw["model"])  # save writes plain names
     torch.save(raw | {"model": compiled.state_dict()}, tmp_path / "c.pt")  # a file with the prefix
     plain = GPT(config)
-    checkpoint.load_weights(plain, checkpoint.load(tmp_path / "c.pt").model, "c.pt")
+    checkpoint.load_weights(plain, checkpoint.load(tmp_path / "c.pt").model)
     idx = torch.randint(0, 37, (1, 8))
     assert torch.equal(plain(idx), compiled(idx))
     again = torch.compile(GPT(config), backend="eager")
-    checkpoint.load_weights(again, plain.state_dict(), "plain")
+    checkpoint.load_weights(again, plain.state_dict())
     assert torch.equal(again(idx), plain(idx))
 
 
@@ -221,17 +225,6 @@ def test_init_from_one_of_our_checkpoints(tmp_path):
     write(tmp_path / "best.pt", model)
     source = checkpoint.init_from(tmp_path)
     assert source.model_config == model.config and source.model.keys() == model.state_dict().keys()
-
-
-def test_only_a_training_checkpoint_with_the_same_model_resumes(tmp_path):
-    model = tiny_model()
-    write(tmp_path / "converted.pt", model)  # no optimizer: as model.convert writes it
-    ckpt = checkpoint.load(tmp_path / "converted.pt")
-    with pytest.raises(ValueError, match="holds no training state"):
-        checkpoint.check_resumable(ckpt, model.config, "train.resume=x")
-    other = dataclasses.replace(model.config, n_layer=3)
-    with pytest.raises(ValueError, match=r"model\.n_layer=2 but this run asks for 3: a resumed run keeps"):
-        checkpoint.check_resumable(ckpt, other, "train.resume=x")
 
 
 def test_rng_state_round_trips():

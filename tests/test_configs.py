@@ -9,12 +9,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from benchmarks.attention_study import StudyConfig
-from data.errors import config_object
 from data.prepare import DataConfig
 from generate import GenerateConfig
 from model import GPTConfig
+from model.command_line import config_object
+from model.run_config import model_config
 from tests.helpers import ROOT, assert_one_line_error, compose, run_cli
-from train import TrainConfig, model_config
+from train import TrainConfig
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 SCHEMAS = [  # (a YAML file, the node in it, the dataclass it mirrors)

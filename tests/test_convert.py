@@ -7,8 +7,7 @@ import torch
 
 from model import GPT, checkpoint
 from model.convert import mean_pool_kv
-from tests.helpers import assert_one_line_error, compose, read_metrics, run_cli, tiny_model
-from train import train
+from tests.helpers import assert_one_line_error, compose, read_metrics, run_cli, tiny_model, train_checked
 
 
 @pytest.mark.parametrize("kv_share", [1, 2])
@@ -53,7 +52,7 @@ def test_bad_conversion_target_names_the_field():
 @pytest.mark.slow
 def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
     parent = tmp_path / "parent"
-    train(compose(*tiny_run, "train.max_iters=150", "train.eval_interval=50", "train.eval_iters=8",
+    train_checked(compose(*tiny_run, "train.max_iters=150", "train.eval_interval=50", "train.eval_iters=8",
                   "train.lr=1e-2", "train.min_lr=1e-3"), parent)
     parent_val = checkpoint.load(parent / "best.pt").best_val
     converted = tmp_path / "mqa.pt"
@@ -61,7 +60,7 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "4x smaller" in result.stdout
     uptrained = tmp_path / "uptrained"
-    train(compose(*tiny_run, f"init_from={converted}", "train.max_iters=30", "train.eval_interval=10",
+    train_checked(compose(*tiny_run, f"init_from={converted}", "train.max_iters=30", "train.eval_interval=10",
                   "train.eval_iters=8", "train.lr=1e-3", "train.min_lr=1e-3"), uptrained)
     evals = [m["val_loss"] for m in read_metrics(uptrained) if "val_loss" in m]
     assert checkpoint.load(uptrained).model_config.n_kv_head == 1

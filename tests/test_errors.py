@@ -2,7 +2,7 @@
 
 import pytest
 
-from data.errors import run_guarded
+from model.command_line import exit_on_user_error
 from tests.helpers import assert_one_line_error, run_cli
 
 # A bad value for the entry points BAD_INPUTS below does not cover, and the words its one-line
@@ -71,7 +71,7 @@ def test_user_errors_become_one_line_and_exit_1(error):
         raise error
 
     with pytest.raises(SystemExit) as exit_info:
-        run_guarded(fail)
+        exit_on_user_error(fail)
     assert exit_info.value.code == f"error: {str(error).splitlines()[0]}"
 
 
@@ -82,7 +82,7 @@ def test_bugs_are_not_dressed_up_as_user_errors(bug):
         raise bug
 
     with pytest.raises(type(bug)):
-        run_guarded(fail)
+        exit_on_user_error(fail)
 
 
 def test_a_value_error_from_inside_torch_is_a_bug_not_a_user_error():
@@ -94,14 +94,14 @@ def test_a_value_error_from_inside_torch_is_a_bug_not_a_user_error():
         F.cross_entropy(torch.zeros(3, 5), torch.zeros(4, dtype=torch.long))  # batch 3 vs 4
 
     with pytest.raises(ValueError, match="batch_size"):
-        run_guarded(fail)
+        exit_on_user_error(fail)
 
 
 def test_the_result_passes_through():
-    assert run_guarded(lambda a, b=0: a + b, 2, b=3) == 5
+    assert exit_on_user_error(lambda a, b=0: a + b, 2, b=3) == 5
 
 
 def test_hydra_full_error_reraises_in_process(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="bad"):
-        run_guarded(lambda: int("bad"))
+        exit_on_user_error(lambda: int("bad"))

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from data.tokenizer import BPETokenizer, CharTokenizer
-from generate import GenerateConfig, print_samples, quote_literal_options, sample
+from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
 from model import checkpoint
+from model.command_line import quote_literal_options
 from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli, tiny_model
 
 
@@ -127,7 +128,8 @@ GRAMMAR = "it's \"quoted\" [1,2] {a: b} ${oops} x=y,z \\' \\"  # all of it Hydra
 def test_prompt_and_stop_are_taken_as_typed(typed, meant):
     """What the shell hands over is the text, not Hydra's grammar; a typed \n or \t is a newline
     or a tab, \\ a backslash."""
-    cfg = compose(*quote_literal_options([f"prompt={typed}", f"stop={typed}"]), config_name="generate")
+    overrides = quote_literal_options([f"prompt={typed}", f"stop={typed}"], LITERAL_OPTIONS)
+    cfg = compose(*overrides, config_name="generate")
     assert (cfg.prompt, cfg.stop) == (meant, meant)
 
 

@@ -7,8 +7,7 @@ import random
 import pytest
 import torch
 
-from model.checkpoint import load_model
-from model.generation import check_sampling, compile_decode_step, left_pad, sample_next, stream
+from model.generation import check_sampling, compile_decode_step, left_pad, load_model, sample_next, stream
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
 
 
@@ -121,8 +120,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert draws(0.8) == {0, 1}       # 0.5 + 0.3 reaches 0.8
     assert draws(0.81) == {0, 1, 2}
     assert draws(1.0) == {0, 1, 2, 3}
-    with pytest.raises(ValueError, match="top_p"):
-        sample_next(logits, 1.0, top_p=0)
+    with pytest.raises(ValueError, match="top_p"):  # checked once, by stream, not per token
+        check_sampling(top_p=0)
 
 
 @pytest.mark.parametrize("option,value,message", [

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from model import GPT, checkpoint
-from tests.helpers import compose, hf_gpt2, run_cli, tiny_model
-from train import train
+from tests.helpers import compose, hf_gpt2, run_cli, tiny_model, train_checked
 
 transformers = pytest.importorskip("transformers")
 
@@ -42,7 +41,7 @@ def test_finetune_from_hugging_face_then_sample(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_gpt2(hf_dir, vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
     run = tmp_path / "run"
-    train(compose("experiment=shakespeare_bpe", f"init_from={hf_dir}", "train.max_iters=4",
+    train_checked(compose("experiment=shakespeare_bpe", f"init_from={hf_dir}", "train.max_iters=4",
                   "train.eval_interval=2", "train.eval_iters=1", "train.batch_size=2",
                   "train.lr=3e-5", "train.min_lr=3e-5", "train.warmup_iters=0", "train.sample_tokens=0"), run)
     ckpt = checkpoint.load(run)
@@ -58,7 +57,7 @@ def test_init_from_a_hugging_face_directory(tmp_path):
     source = checkpoint.init_from(tmp_path)
     assert source.data_meta["tokenizer"] == "bpe"
     model = GPT(source.model_config).eval()
-    checkpoint.load_weights(model, source.model, tmp_path)
+    checkpoint.load_weights(model, source.model)
     idx = torch.randint(0, 97, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-5, rtol=0)

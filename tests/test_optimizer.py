@@ -6,8 +6,7 @@ import torch
 
 from model import checkpoint
 from model.optimizer import MuonAndAdamW, configure_optimizer
-from tests.helpers import compose, read_metrics, step_losses, tiny_model
-from train import train
+from tests.helpers import compose, read_metrics, step_losses, tiny_model, train_checked
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
@@ -36,9 +35,9 @@ def test_adamw_is_one_torch_optimizer_over_every_parameter():
 
 def test_muon_trains_checkpoints_and_resumes_bit_identically(tiny_run, tmp_path):
     muon = [*tiny_run, "train.optimizer=muon"]
-    straight = train(compose(*muon), tmp_path / "straight")
-    train(compose(*muon, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
-    train(compose(*muon, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
+    straight = train_checked(compose(*muon), tmp_path / "straight")
+    train_checked(compose(*muon, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
+    train_checked(compose(*muon, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
     straight_losses = step_losses(tmp_path / "straight")
     assert step_losses(tmp_path / "second") == {s: v for s, v in straight_losses.items() if s > 6}
     a, b = checkpoint.load(tmp_path / "straight"), checkpoint.load(tmp_path / "second")
@@ -49,6 +48,7 @@ def test_muon_trains_checkpoints_and_resumes_bit_identically(tiny_run, tmp_path)
 
 
 def test_resuming_with_the_other_optimizer_names_the_option(tiny_run, tmp_path):
-    train(compose(*tiny_run, "train.max_iters=2", "train.optimizer=muon"), tmp_path / "a")
+    train_checked(compose(*tiny_run, "train.max_iters=2", "train.optimizer=muon"), tmp_path / "a")
     with pytest.raises(ValueError, match=r"trained with train\.optimizer=muon, not adamw"):
-        train(compose(*tiny_run, "train.optimizer=adamw", f"train.resume={tmp_path / 'a'}"), tmp_path / "b")
+        train_checked(compose(*tiny_run, "train.optimizer=adamw", f"train.resume={tmp_path / 'a'}"),
+                      tmp_path / "b")

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig, checkpoint
-from model.checkpoint import Checkpoint, load_model
-from model.generation import compile_decode_step, stream
+from model.checkpoint import Checkpoint
+from model.generation import compile_decode_step, load_model, stream
 from model.quantize import Int8Linear, quantize_int8
 from tests.helpers import tiny_model
 

@@ -15,6 +15,8 @@ import torch
 from omegaconf import OmegaConf
 
 from model import checkpoint
+from model.command_line import changed_on_command_line, resumed_config
+from model.run_dir import run_files
 from tests.helpers import (
     ROOT,
     assert_one_line_error,
@@ -24,12 +26,13 @@ from tests.helpers import (
     read_metrics,
     run_cli,
     step_losses,
+    train_checked,
 )
-from train import changed_on_command_line, command_line_train, lr_at, resume_config, train
+from train import lr_at
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
-    summary = train(compose(*tiny_run), tmp_path)
+    summary = train_checked(compose(*tiny_run), tmp_path)
     metrics = read_metrics(tmp_path)
     evals = [m for m in metrics if "val_loss" in m]
     assert [m["step"] for m in evals] == [0, 6, 12]
@@ -51,10 +54,10 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 
 def test_resume_is_bit_identical(tiny_run, tmp_path):
-    straight = train(compose(*tiny_run), tmp_path / "straight")
+    straight = train_checked(compose(*tiny_run), tmp_path / "straight")
     # the first half stops at 6 but keeps the 12-step schedule, as an interrupted run would
-    train(compose(*tiny_run, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
-    train(compose(*tiny_run, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
+    train_checked(compose(*tiny_run, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
+    train_checked(compose(*tiny_run, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
     assert len(step_losses(tmp_path / "second")) == 6
     straight_losses = step_losses(tmp_path / "straight")
     assert step_losses(tmp_path / "second") == {s: v for s, v in straight_losses.items() if s > 6}
@@ -64,12 +67,9 @@ def test_resume_is_bit_identical(tiny_run, tmp_path):
 
 
 def train_command_line(run_dir, *overrides: str) -> dict:
-    """train.py's work for `python train.py <overrides>` (command_line_train, in this process)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        return command_line_train(hydra_compose("train", overrides=list(overrides)), run_dir, list(overrides))
+    """train.py's work for `python train.py <overrides>`, in this process: the options checked
+    with the command line's overrides (a resumed run takes its saved config but what they set)."""
+    return train_checked(compose(*overrides), run_dir, list(overrides))
 
 
 REFUSED = {  # attention option trained: ways to type a resume that would change its model
@@ -84,7 +84,7 @@ REFUSED = {  # attention option trained: ways to type a resume that would change
 def test_a_resume_that_would_change_the_model_is_refused_however_typed(attention, tiny_run, tmp_path):
     """A group counts as every key it sets, even to a default; keys typed, `++key` and dropping a
     group alike. Typing the model it has is not a change."""
-    train(compose(*tiny_run, f"attention={attention}", "train.max_iters=2"), tmp_path / "a")
+    train_checked(compose(*tiny_run, f"attention={attention}", "train.max_iters=2"), tmp_path / "a")
     for overrides in REFUSED[attention]:
         # "its model has model.<field>=... but this run asks for ...", or the asked model is invalid
         with pytest.raises(ValueError, match=r"^(train\.resume=.*: its model has )?model\.\w+="):
@@ -109,8 +109,8 @@ def test_a_source_trained_with_another_tokenizer_is_refused(tiny_ckpt, tiny_run,
                                        (f"init_from={tmp_path / 'gpt2'}", [], gpt2, ours)]:
         message = f"{source} was trained with {trained}, but this data has {has}"
         with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
-            train(compose(*tiny_run, *data, source, "train.max_iters=40"), tmp_path / "run")
-        assert not checkpoint.run_files(tmp_path / "run")
+            train_checked(compose(*tiny_run, *data, source, "train.max_iters=40"), tmp_path / "run")
+        assert not run_files(tmp_path / "run")
 
 
 def test_a_vocabulary_padded_past_the_tokenizers_samples_only_its_ids(tiny_run, tmp_path):
@@ -118,7 +118,7 @@ def test_a_vocabulary_padded_past_the_tokenizers_samples_only_its_ids(tiny_run, 
     end-of-run sample and generate.py draw only ids the tokenizer has, even at a high temperature."""
     from generate import GenerateConfig, sample
 
-    train(compose(*tiny_run, "model.vocab_size=128", "train.max_iters=2", "train.sample_tokens=300"),
+    train_checked(compose(*tiny_run, "model.vocab_size=128", "train.max_iters=2", "train.sample_tokens=300"),
           tmp_path)
     assert checkpoint.load(tmp_path).model_config.vocab_size == 128
     text = sample(GenerateConfig(ckpt=str(tmp_path), max_new_tokens=300, temperature=10.0, top_k=None),
@@ -127,10 +127,11 @@ def test_a_vocabulary_padded_past_the_tokenizers_samples_only_its_ids(tiny_run, 
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
-    train(compose(*tiny_run, "train.max_iters=6"), tmp_path / "a")
+    train_checked(compose(*tiny_run, "train.max_iters=6"), tmp_path / "a")
     good = checkpoint.load(tmp_path / "a").model
     with pytest.raises(FloatingPointError, match="loss is (nan|inf).*last good checkpoint"):
-        train(compose(*tiny_run, f"train.resume={tmp_path / 'a'}", "train.lr=1e30", "train.min_lr=1e30",
+        train_checked(compose(*tiny_run, f"train.resume={tmp_path / 'a'}", "train.lr=1e30",
+                              "train.min_lr=1e30",
                       "train.grad_clip=0", "train.eval_interval=1"), tmp_path / "b")
     for run in ("a", "b"):
         kept = checkpoint.load(tmp_path / run)
@@ -139,7 +140,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path):
 
 def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
     with pytest.raises(ValueError, match="wandb.mode='bogus' is not one of disabled, offline, online"):
-        train(compose(*tiny_run, "wandb.mode=bogus"), tmp_path)
+        train_checked(compose(*tiny_run, "wandb.mode=bogus"), tmp_path)
 
 
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
@@ -150,15 +151,26 @@ def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
 def test_model_options_are_checked_before_the_data(tiny_run, tmp_path):
     """A bad model option is reported even when the data would fail too: no data work first."""
     with pytest.raises(ValueError, match=r"^model\.n_kv_head=3"):
-        train(compose(*tiny_run, "model.n_kv_head=3", "data.path=/nonexistent.txt"), tmp_path)
+        train_checked(compose(*tiny_run, "model.n_kv_head=3", "data.path=/nonexistent.txt"), tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_only_a_training_checkpoint_resumes(tiny_ckpt, tiny_run, tmp_path):
+    from model.convert import convert_checkpoint
+
+    convert_checkpoint(tiny_ckpt, 2, tmp_path / "converted.pt")  # no optimizer state
+    with pytest.raises(ValueError, match=r"converted\.pt holds no training state .*with init_from instead"):
+        train_checked(compose(*tiny_run, f"train.resume={tmp_path / 'converted.pt'}", "model.n_kv_head=2",
+                              "train.max_iters=40"), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"^train\.max_iters=5 is below the step train\.resume reached"):
+        train_checked(compose(*tiny_run, f"train.resume={tiny_ckpt}", "train.max_iters=5"), tmp_path / "run")
 
 
 def test_a_missing_resume_checkpoint_names_the_option(tiny_run, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"^train\.resume: checkpoint not found: /nonexistent"):
-        train(compose(*tiny_run, "train.resume=/nonexistent/ckpt.pt"), tmp_path)
+        train_checked(compose(*tiny_run, "train.resume=/nonexistent/ckpt.pt"), tmp_path)
     with pytest.raises(FileNotFoundError, match=r"^init_from: checkpoint not found: /nonexistent"):
-        train(compose(*tiny_run, "init_from=/nonexistent/run.pt"), tmp_path)
+        train_checked(compose(*tiny_run, "init_from=/nonexistent/run.pt"), tmp_path)
 
 
 def default_sigint():
@@ -168,20 +180,16 @@ def default_sigint():
 
 
 def test_resume_takes_the_saved_config_but_what_the_command_line_set():
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     overrides = ["attention=mha", "train.max_iters=5", "data.cache_dir=/here"]
-    with initialize_config_dir(str(ROOT / "configs"), version_base="1.3"):
-        cfg = hydra_compose("train", overrides=overrides)
-        changed = changed_on_command_line(cfg, overrides)
+    cfg = compose(*overrides)
+    changed = changed_on_command_line(cfg, overrides, ROOT / "configs")
     # attention=mha is the default, yet it sets its four keys; lr_decay_iters only follows max_iters
     assert changed == {"model.n_kv_head", "model.mla_latent_dim", "model.mla_rope_dim", "model.kv_share",
                        "train.max_iters", "data.cache_dir"}
     saved = OmegaConf.to_container(cfg, resolve=True)
     saved["model"] |= {"n_kv_head": 2, "n_layer": 7}
     saved["train"] |= {"lr": 0.5, "lr_decay_iters": 100, "max_iters": 100, "device": "cuda:3"}
-    resumed = resume_config(cfg, saved, changed)
+    resumed = resumed_config(cfg, saved, overrides, ROOT / "configs")
     assert (resumed.model.n_layer, resumed.train.lr, resumed.train.lr_decay_iters) == (7, 0.5, 100)
     assert (resumed.model.n_kv_head, resumed.train.max_iters) == (resumed.model.n_head, 5)
     assert (resumed.train.device, resumed.data.cache_dir) == ("auto", "/here")  # this machine's
@@ -269,7 +277,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_temp_file(tiny_run, tmp_path):
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
-    train(compose(*tiny_run, "wandb.mode=offline", "wandb.name=tiny"), tmp_path)
+    train_checked(compose(*tiny_run, "wandb.mode=offline", "wandb.name=tiny"), tmp_path)
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     # The run file is wandb's record log; values are stored as JSON text inside it.
@@ -280,8 +288,8 @@ def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
 
 
 def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
-    script = ("import sys; from tests.helpers import compose; from train import train; "
-              f"train(compose(*{tiny_run!r}, 'train.max_iters=1'), {str(tmp_path)!r}); "
+    script = ("import sys; from tests.helpers import compose, train_checked; "
+              f"train_checked(compose(*{tiny_run!r}, 'train.max_iters=1'), {str(tmp_path)!r}); "
               "print('wandb' in sys.modules)")
     result = run_cli("-c", script)
     assert result.returncode == 0, result.stderr[-2000:]
