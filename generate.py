@@ -98,7 +98,8 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
         path = Path(cfg.prompt_file).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"prompt_file not found: {path}")
-        prompts = [line for line in read_text_files([path], "prompt_file").decode().splitlines() if line]
+        with naming("prompt_file"):
+            prompts = [line for line in read_text_files([path]).decode().splitlines() if line]
         if not prompts:
             raise ValueError(f"prompt_file {path} has no prompts")
     else:

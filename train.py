@@ -135,27 +135,27 @@ def build(run: RunConfig, run_dir: Path, device, world_size: int, master: bool):
         with naming(run.source_option):
             checkpoint.load_weights(model, run.source.model)
     model.to(device)
-    tc = run.train
-    optimizer = configure_optimizer(model, tc.optimizer, tc.lr, (tc.beta1, tc.beta2), tc.weight_decay,
+    cfg = run.train
+    optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
                                     fused=device.type == "cuda")
     # Every rank draws the same global batch and takes its own slice of it, so N processes see
     # exactly the batches one process would with N times the batch size.
     _, train_tokens, val_tokens = load_prepared(run.data_dir)
-    batches = partial(Batches, block_size=run.model.block_size, batch_size=tc.batch_size * world_size,
-                      device=device, seed=tc.seed, on_device=run.data.on_device)
+    batches = partial(Batches, block_size=run.model.block_size, batch_size=cfg.batch_size * world_size,
+                      device=device, seed=cfg.seed, on_device=run.data.on_device)
     eval_batches = {"train": batches(train_tokens), "val": batches(val_tokens)}  # fixed: same at every eval
     state = TrainingState(model, optimizer, batches(train_tokens), run, run_dir, master)
-    if tc.resume:
+    if cfg.resume:
         optimizer.load_state_dict(run.source.optimizer)
         state.step, state.best_val = run.source.step, run.source.best_val
         checkpoint.restore_rng(run.source.rng)
         state.batches.load_state_dict(run.source.rng["batches"])
-        print0(f"resumed from {tc.resume} at step {state.step} (best val {state.best_val:.4f})")
-    compiled = tc.compile is True or (tc.compile == "auto" and device.type == "cuda")
+        print0(f"resumed from {cfg.resume} at step {state.step} (best val {state.best_val:.4f})")
+    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
     stepped = torch.compile(model) if compiled else model
     if world_size > 1:
         stepped = DDP(stepped, device_ids=[device.index] if device.type == "cuda" else None)
-    c, tokens_per_step = run.model, tc.batch_size * world_size * tc.grad_accum * run.model.block_size
+    c, tokens_per_step = run.model, cfg.batch_size * world_size * cfg.grad_accum * run.model.block_size
     print0(f"model: {model.num_params() / 1e6:.2f}M parameters, n_layer={c.n_layer} n_head={c.n_head} "
            f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} block_size={c.block_size}, KV cache per token: "
            f"{c.kv_cache_formula()} | data: {run.meta['tokenizer']} vocab {run.meta['vocab_size']}, "
@@ -164,14 +164,14 @@ def build(run: RunConfig, run_dir: Path, device, world_size: int, master: bool):
     return state, stepped, eval_batches
 
 
-def lr_at(step: int, tc: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to lr, then cosine decay to min_lr at lr_decay_iters, then min_lr."""
-    if step < tc.warmup_iters:
-        return tc.lr * (step + 1) / (tc.warmup_iters + 1)
-    if step >= tc.lr_decay_iters:
-        return tc.min_lr
-    progress = (step - tc.warmup_iters) / max(1, tc.lr_decay_iters - tc.warmup_iters)
-    return tc.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
+    if step < cfg.warmup_iters:
+        return cfg.lr * (step + 1) / (cfg.warmup_iters + 1)
+    if step >= cfg.lr_decay_iters:
+        return cfg.min_lr
+    progress = (step - cfg.warmup_iters) / max(1, cfg.lr_decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -180,44 +180,44 @@ def train(run: RunConfig, run_dir) -> dict:
     """Train as `run` says, writing metrics, checkpoints and a loss plot to run_dir, which must
     not hold another run. Ctrl-C or SIGTERM saves ckpt.pt and returns {"interrupted": signal}."""
     rank, world_size, device = init_distributed(run.device)
-    master, tc = rank == 0, run.train
+    master, cfg = rank == 0, run.train
     run_dir = claim_run_dir(run_dir) if master else Path(run_dir)
     try:
-        if master and tc.resume:
-            remove_stale_temp_files(checkpoint.find(tc.resume).parent)
-        log = MetricsLog(run_dir, run.config, master, run.source.step if tc.resume else 0, tc.max_iters)
+        if master and cfg.resume:
+            remove_stale_temp_files(checkpoint.find(cfg.resume).parent)
+        log = MetricsLog(run_dir, run.config, master, run.source.step if cfg.resume else 0, cfg.max_iters)
         state, model, eval_batches = build(run, run_dir, device, world_size, master)
-        amp, lo, hi = autocast(device, tc.dtype), rank * tc.batch_size, (rank + 1) * tc.batch_size
-        tokens_per_step = tc.batch_size * world_size * tc.grad_accum * run.model.block_size
+        amp, lo, hi = autocast(device, cfg.dtype), rank * cfg.batch_size, (rank + 1) * cfg.batch_size
+        tokens_per_step = cfg.batch_size * world_size * cfg.grad_accum * run.model.block_size
         t0, tokens_since = time.perf_counter(), 0
         with stop_requests() as stop:
             while True:
-                if master and (state.step % tc.eval_interval == 0 or state.step == tc.max_iters):
+                if master and (state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters):
                     evaluate(state, eval_batches, amp, log)
                     t0, tokens_since = time.perf_counter(), 0  # throughput counts training only
-                if state.step == tc.max_iters:
+                if state.step == cfg.max_iters:
                     break
-                lr = lr_at(state.step, tc)
+                lr = lr_at(state.step, cfg)
                 for group in state.optimizer.param_groups:
                     group["lr"] = lr
-                for micro in range(tc.grad_accum):
+                for micro in range(cfg.grad_accum):
                     x, y = state.batches.next()
-                    last_micro = micro == tc.grad_accum - 1  # DDP syncs gradients only then
+                    last_micro = micro == cfg.grad_accum - 1  # DDP syncs gradients only then
                     with model.no_sync() if world_size > 1 and not last_micro else nullcontext(), amp:
                         _, loss = model(x[lo:hi], y[lo:hi])
-                    (loss / tc.grad_accum).backward()
-                if tc.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+                    (loss / cfg.grad_accum).backward()
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 state.optimizer.step()
                 state.optimizer.zero_grad(set_to_none=True)
                 state.step += 1
                 tokens_since += tokens_per_step
-                if state.step % tc.log_interval == 0 or state.step == tc.max_iters:
+                if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
                     loss = mean_over_ranks(loss.detach(), world_size)
                     if not math.isfinite(loss_value := loss.item()):
                         raise state.diverged("loss", loss_value)
                     tokens_per_s = tokens_since / (time.perf_counter() - t0)
-                    mfu = (state.model.flops_per_token() * tokens_per_s / (tc.peak_tflops * 1e12)
+                    mfu = (state.model.flops_per_token() * tokens_per_s / (cfg.peak_tflops * 1e12)
                            if device.type == "cuda" else None)
                     log.training_step(state.step, loss_value, lr, tokens_per_s, mfu)
                 log.bar.update(1)
@@ -234,13 +234,13 @@ def train(run: RunConfig, run_dir) -> dict:
 
 def evaluate(state: TrainingState, eval_batches: dict, amp, log: MetricsLog) -> None:
     """Evaluate on the fixed batches; save best.pt if val improved, and ckpt.pt (not at step 0)."""
-    tc = state.run.train
-    losses = estimate_loss(state.model, eval_batches, tc.eval_iters, tc.seed, amp)
+    cfg = state.run.train
+    losses = estimate_loss(state.model, eval_batches, cfg.eval_iters, cfg.seed, amp)
     log.record({"step": state.step, "train_loss": losses["train"], "val_loss": losses["val"]})
     print0(f"step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not math.isfinite(losses["val"]):
         raise state.diverged("val loss", losses["val"])
-    if state.step > 0 or state.step == tc.max_iters:
+    if state.step > 0 or state.step == cfg.max_iters:
         if losses["val"] < state.best_val:
             state.best_val = losses["val"]
             state.save("best.pt")
@@ -249,8 +249,8 @@ def evaluate(state: TrainingState, eval_batches: dict, amp, log: MetricsLog) -> 
 
 def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt."""
-    tc, run_dir, full_val = state.run.train, state.run_dir, None
-    if state.master and not stop and tc.full_val:
+    cfg, run_dir, full_val = state.run.train, state.run_dir, None
+    if state.master and not stop and cfg.full_val:
         _, _, val_tokens = load_prepared(state.run.data_dir)
         full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp)
         log.record({"step": state.step, "val_loss_full": full_val})
@@ -264,11 +264,11 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
     if state.master:
         plot_losses(run_dir, run_dir / "loss.png")
-        if tc.sample_tokens > 0:
+        if cfg.sample_tokens > 0:
             tokenizer, device = tokenizer_from_meta(state.run.meta), state.model.wte.weight.device
             out = state.model.eval().generate(torch.tensor([tokenizer.encode("\n")], device=device),
-                                              tc.sample_tokens, temperature=0.8, top_k=200,
-                                              generator=torch.Generator(device=device).manual_seed(tc.seed),
+                                              cfg.sample_tokens, temperature=0.8, top_k=200,
+                                              generator=torch.Generator(device=device).manual_seed(cfg.seed),
                                               vocab_size=tokenizer.vocab_size)
             print0(f"--- sample ---{tokenizer.decode(out[0].tolist())}\n--- end of sample ---")
         print0(f"best val loss {state.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")

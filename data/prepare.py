@@ -25,7 +25,7 @@ import numpy as np
 from hydra.core.config_store import ConfigStore
 
 from data.tokenizer import BPETokenizer, CharTokenizer
-from model.command_line import composed_jobs, config_object, exit_on_user_error
+from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 
 FORMAT_VERSION = 1
 TOKENIZERS = ("char", "bpe")
@@ -87,7 +87,7 @@ def corpus_files(cfg: DataConfig) -> list[Path]:
     return files
 
 
-def read_text_files(files: list[Path], option: str = "data.path") -> bytes:
+def read_text_files(files: list[Path]) -> bytes:
     """The files' bytes, joined; each must be UTF-8 text. The errors name the file and, for a
     binary or non-UTF-8 one, the byte offset where it stops being text."""
     parts = []
@@ -95,14 +95,14 @@ def read_text_files(files: list[Path], option: str = "data.path") -> bytes:
         try:
             data = f.read_bytes()
         except OSError as e:
-            raise type(e)(f"{option}: cannot read {f}: {e.strerror or e}") from e
+            raise type(e)(f"cannot read {f}: {e.strerror or e}") from e
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{option}: {f} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
+            raise ValueError(f"{f} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset "
                              f"{e.start} (a binary file? convert text with iconv -t utf-8)") from None
         if (nul := data.find(b"\0")) >= 0:
-            raise ValueError(f"{option}: {f} is binary, not text: a NUL byte at offset {nul}")
+            raise ValueError(f"{f} is binary, not text: a NUL byte at offset {nul}")
         parts.append(data)
     return b"".join(parts)
 
@@ -111,7 +111,8 @@ def prepare(cfg: DataConfig) -> Path:
     """Prepare the corpus described by a `data` config; returns the folder of the token arrays.
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
-    source_sha256 = sha256_bytes(read_text_files(files))
+    with naming("data.path"):
+        source_sha256 = sha256_bytes(read_text_files(files))
     expected = BUILT_IN[cfg.name][1] if cfg.path is None else cfg.sha256
     if expected and source_sha256 != expected:
         fix = ("reinstall kvgpt" if cfg.path is None

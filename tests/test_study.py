@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from benchmarks.attention_study import beyond_noise, pareto_front, run_study
 from tests.helpers import compose
 
@@ -34,6 +36,14 @@ def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
         assert [step for step, _ in r["val_curve"]] == ([0, 2, 4] if r is not rows[uptrained] else [0, 1, 2])
     # Same seed, same data: two seeds of one variant differ, one seed run twice would not.
     assert rows["mha"]["val_losses"][0] != rows["mha"]["val_losses"][1]
+
+
+def test_every_variant_is_checked_before_the_first_trains(tiny_run, tmp_path):
+    """mla refuses qk_norm: the study stops before mha, the first variant, trains."""
+    cfg = compose(*tiny_run, "model.qk_norm=true", "study.variants=[mha,mla]", config_name="study")
+    with pytest.raises(ValueError, match="qk_norm=true cannot be combined with multi-head latent attention"):
+        run_study(cfg, tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def row(mean, std, bytes_per_token=0):

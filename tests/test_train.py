@@ -143,6 +143,15 @@ def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
         train_checked(compose(*tiny_run, "wandb.mode=bogus"), tmp_path)
 
 
+def test_bad_options_stop_before_a_run_dir_or_a_sweep_job_exists(tiny_run, tmp_path):
+    """Every job of the command line is checked before Hydra creates anything: one line, exit 1."""
+    single = run_cli("train.py", *tiny_run, "train.lr=-1", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_line_error(single, "train.lr must be > 0, got -1.0")
+    sweep = run_cli("train.py", "-m", *tiny_run, "train.lr=1e-3,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    assert_one_line_error(sweep, "train.lr must be > 0, got -1.0")
+    assert not any(tmp_path.iterdir())
+
+
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
     result = run_cli("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "error: model.n_kv_head=3 must divide n_head=4")
