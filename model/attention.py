@@ -1,14 +1,7 @@
-"""The one attention core, and the two attention layers built on it.
-
-`attend` computes softmax(q k^T / sqrt(d_k)) v for n_head query heads over n_kv_head key/value
-heads. MHA (n_kv_head == n_head), GQA (1 < n_kv_head < n_head) and MQA (n_kv_head == 1) are
-the same code: query head h reads key/value head h // (n_head // n_kv_head). Values may be wider
-or narrower than keys (d_v != d_k), which multi-head latent attention needs.
-
-`CausalSelfAttention` is MHA, GQA and MQA; `LatentAttention` is multi-head latent attention
-(MLA, DeepSeek-V2). Both can take their keys and values from an earlier layer instead of making
-their own (cross-layer KV sharing, `GPTConfig.kv_share`), and both return what they attended
-over, so that the next layers of their group can reuse it.
+"""`attend`, the one attention core: n_head query heads over n_kv_head key/value heads (query head h
+reads K/V head h // (n_head // n_kv_head)), values of any width (MLA's are narrower than its keys).
+Built on it: `CausalSelfAttention` (MHA, GQA, MQA) and `LatentAttention` (MLA). Both return what they
+attended over, which the later layers of a `GPTConfig.kv_share` group attend over instead of their own.
 """
 
 import math
@@ -27,13 +20,11 @@ def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
 
 def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="sdpa",
            return_weights=False, scale=None):
-    """q: (B, n_head, T, d_k); k: (B, n_kv_head, S, d_k); v: (B, n_kv_head, S, d_v); S >= T.
+    """q (B, n_head, T, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, T, d_v).
 
-    The T queries are the last T of the S positions, so the causal mask is bottom-right aligned:
-    query i sees keys 0 .. S-T+i. `attn_mask` (bool, True = may attend, broadcastable to
-    (B, n_head, T, S)) is combined with it. `scale` multiplies the scores (default 1/sqrt(d_k)).
-    Returns (B, n_head, T, d_v), and with `return_weights=True` (naive backend) also the
-    weights (B, n_head, T, S).
+    The queries are the last T of S positions, so the causal mask is bottom-right aligned (query i
+    sees keys 0 .. S-T+i). `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
+    to 1/sqrt(d_k). `return_weights` (naive backend) also returns the weights (B, n_head, T, S).
     """
     B, n_head, T, d_k = q.shape
     n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -57,8 +48,7 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
     if backend != "naive":
         raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
 
-    # Group the query heads that share a key/value head; broadcasting reads each K/V head
-    # once for its whole group instead of materialising n_head copies.
+    # Broadcasting over the n_rep query heads of a group reads their K/V head once: no n_head copies.
     n_rep = n_head // n_kv_head
     qg = q.view(B, n_kv_head, n_rep, T, d_k)                           # (B, n_kv_head, n_rep, T, d_k)
     scale = 1 / math.sqrt(d_k) if scale is None else scale
@@ -83,8 +73,8 @@ def rope_cache(block_size: int, head_dim: int, base: float = 10000.0):
 
 
 def apply_rope(x, cos, sin):
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (B, H, T, d) by the angles of their
-    positions; cos and sin are (T, d/2) or (B, 1, T, d/2)."""
+    """Rotate x (B, H, T, d) by its positions' angles, pairing x[..., :d/2] with x[..., d/2:];
+    cos and sin are (T, d/2) or (B, 1, T, d/2)."""
     x1, x2 = x.float().chunk(2, dim=-1)                                # (B, H, T, hd/2) each
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
@@ -96,9 +86,8 @@ def make_norm(config: GPTConfig, dim: int) -> nn.Module:
 
 
 class Attention(nn.Module):
-    """What both attention layers share: their place in a group of `kv_share` adjacent layers
-    (the first makes keys and values and writes them to the cache, the others reuse them), the
-    backend, dropout, and the weights kept for heatmaps."""
+    """Shared by both layers: the place in a `kv_share` group (its first layer makes and caches K/V),
+    the backend, dropout, and the weights kept for heatmaps."""
 
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -110,8 +99,8 @@ class Attention(nn.Module):
         self.weights = None
 
     def attend(self, q, k, v, attn_mask, scale=None):
-        """`attend` with this layer's backend and dropout, causal unless a mask is given; with
-        keep_weights, the textbook path, which keeps the attention weights."""
+        """`attend` with this layer's backend and dropout, causal unless given a mask; naive (which can
+        return them) when keeping the weights."""
         out = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
                      dropout_p=self.dropout if self.training else 0.0, scale=scale,
                      backend="naive" if self.keep_weights else self.backend, return_weights=self.keep_weights)
@@ -127,18 +116,15 @@ class CausalSelfAttention(Attention):
         super().__init__(config, layer_idx)
         self.n_kv_head = config.n_kv_head
         self.kv_dim = config.n_kv_head * config.head_dim if self.makes_kv else 0
-        # One fused projection: n_embd queries, then kv_dim keys, then kv_dim values.
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)  # [q, k, v]
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
-        """x: (B, T, n_embd). Without a mask, plain causal attention over x. With `kv_cache`,
-        the new keys/values are written at slots `input_pos` (T,) and the queries attend over
-        the whole cache under `attn_mask` (the GPT builds it; it encodes causality). A layer
-        that does not make K/V attends over `shared_kv`, what its group's first layer returned.
-        Returns (output (B, T, n_embd), the keys and values attended over)."""
+        """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
+        K/V go to slots `input_pos` (T,) and the queries attend over the whole cache under `attn_mask`
+        (which encodes causality). A layer that makes no K/V attends over `shared_kv`."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, hd)
@@ -163,22 +149,13 @@ class CausalSelfAttention(Attention):
 
 
 class LatentAttention(Attention):
-    """Multi-head latent attention (MLA; DeepSeek-V2, 2024, section 2.1).
+    """Multi-head latent attention (MLA; DeepSeek-V2, 2024, section 2.1; README, "Attention variants").
 
-    Each position is compressed to one small latent c (width L = mla_latent_dim, normalised)
-    and one RoPE key k_r (width R = mla_rope_dim) shared by all heads. Head h's key is
-    [W_k[h] c, k_r] and its value W_v[h] c, with W_k[h], W_v[h] of shape (hd, L); its query is
-    [q_h, q_r,h]. The scores are scaled by 1/sqrt(hd + R) in both forms below.
-
-    - Plain form (training, and any call without a cache): keys and values are expanded per
-      head, and the n_head heads attend as in MHA, with d_k = hd + R and d_v = hd.
-    - Absorbed form (with a cache): q_h . W_k[h] c = (W_k[h]^T q_h) . c, so each query is moved
-      into latent space instead, and every head attends over the cached [c, k_r] itself: one
-      key/value head (MQA over the latent) of key width L + R and value width L (the cache
-      stores only that, L + R per position per layer). The output W_v[h] (weights @ c) takes
-      the value projection after the attention. Both forms compute the same function.
-
-    With learned positions there is no rotation, and k_r is just a key part that every head shares.
+    Per position, a normalised latent c (width L) and a RoPE key k_r (width R) shared by all heads;
+    head h's key is [W_k[h] c, k_r] and its value W_v[h] c, W_k[h] and W_v[h] of shape (hd, L). Without a
+    cache, the plain form expands them per head (MHA with d_k = hd + R, d_v = hd). With one, the absorbed
+    form attends with W_k[h]^T q_h over the cached [c, k_r] (one K/V head) and applies W_v[h] after:
+    since q_h . W_k[h] c = (W_k[h]^T q_h) . c, both forms compute the same function.
     """
 
     def __init__(self, config: GPTConfig, layer_idx: int = 0):
@@ -189,15 +166,14 @@ class LatentAttention(Attention):
         if self.makes_kv:
             self.kv_down = nn.Linear(config.n_embd, L + R, bias=config.bias)  # [c before its norm, k_r]
             self.kv_norm = make_norm(config, L)
-        # The key, then the value up-projections of the latent, per head: (2 * n_head * hd, L). A
-        # plain matrix rather than a Linear, because the absorbed form multiplies by it per head
-        # (and int8 decoding, which converts Linear layers, leaves it in the activations' dtype).
-        self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)
+        # Per head, the key then the value up-projection. A Parameter, not a Linear: the absorbed form
+        # multiplies by it per head (and int8 decoding, which converts Linears, leaves it alone).
+        self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)  # (2 * n_head * hd, L)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
-        """As CausalSelfAttention.forward; what this layer attends over (and returns, and caches)
-        is the latent and the RoPE key, [c, k_r]: (B, 1, T or max_len, L + R)."""
+        """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
+        (B, 1, T or max_len, L + R)."""
         B, T, C = x.shape
         hd, L, R = self.head_dim, self.latent_dim, self.rope_dim
         q = self.q(x).view(B, T, self.n_head, hd + R).transpose(1, 2)   # (B, n_head, T, hd + R)
@@ -224,10 +200,9 @@ class LatentAttention(Attention):
             out = self.attend(torch.cat([q, q_rope], dim=-1), k, v, attn_mask, scale)  # (B, n_head, T, hd)
         else:  # absorbed form
             q_latent = q @ w_k                                            # (B, n_head, T, L)
-            # The values are c, the first L columns of each cached row [c, k_r]. Passing the whole
-            # row as the value and keeping the first L output columns gives the same numbers with
-            # d_v = d_k, which SDPA's fused kernels need: with d_v != d_k SDPA falls back to its
-            # math path, ~10x slower on CPU at batch 64 and context 1024.
+            # The values are c, the first L columns of each cached [c, k_r]. The whole row as value,
+            # keeping L output columns, gives the same numbers with d_v = d_k, which SDPA's fused
+            # kernels need (its math path is ~10x slower on CPU at batch 64 and context 1024).
             out = self.attend(torch.cat([q_latent, q_rope], dim=-1), latent, latent, attn_mask,
                               scale)[..., :L]                             # (B, n_head, T, L)
             out = out @ w_v.transpose(1, 2)                               # (B, n_head, T, hd)

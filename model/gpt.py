@@ -151,7 +151,7 @@ class GPT(nn.Module):
         dtype, device = dtype or weight.dtype, weight.device
         if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
             return KVCache(c.kv_layers, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
-                           values_in_keys=c.mla_latent_dim, dtype=dtype, device=device)
+                           value_dim_in_keys=c.mla_latent_dim, dtype=dtype, device=device)
         return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
 
     def forward(self, idx, targets=None, *, kv_cache=None, pad=None):

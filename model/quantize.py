@@ -1,16 +1,11 @@
-"""Weight-only int8 quantization for decoding (as in gpt-fast): each Linear's weight becomes int8
-with one scale per output row; activations stay in the model's dtype. A decode step reads every
-weight once per token, so 4x fewer weight bytes than fp32 is up to 4x fewer bytes to move.
+"""Weight-only int8 quantization for decoding (as in gpt-fast): one scale per output row, activations
+in the model's dtype. A decode step reads every weight once per token: up to 4x fewer bytes than fp32.
 
-The CPU kernel, torch._weight_int8pack_mm (PyTorch 2.13), reads the input width K in vectors of
-8 (AVX2, ARM) or 16 (AVX512) elements with no remainder loop, and on x86 loads each row of x with
-aligned vector loads. At a K that is not a multiple of its vector it reads past the rows (garbage
-outputs, ~1e34) or faults (a segfault); so does a row of x that does not start on a 16-byte
-(AVX512: 32-byte) boundary. x86 vectorizes bf16 only (fp32 there is right at any K), ARM every
-dtype. So Int8Linear keeps its weight with K zero-padded to a multiple of 16 and pads x to match:
-the zero columns add nothing, and a padded x is a fresh, aligned tensor. (A dequantizing fallback
-for such widths would not do: inductor rewrites F.linear(x, w.to(x.dtype)) * scales into the same
-kernel.)
+Why the padding: the CPU kernel torch._weight_int8pack_mm (PyTorch 2.13) reads the input width K in
+vectors of 8 (AVX2, ARM) or 16 (AVX512) with no remainder loop, and on x86 with aligned loads (x86
+vectorizes bf16 only, ARM every dtype). Another K, or a row of x off a 16-byte (AVX512: 32) boundary,
+gives garbage (~1e34) or a segfault. So the weight's K is zero-padded to a multiple of 16 and x padded
+to match, a fresh, aligned tensor. (No dequantizing fallback: inductor rewrites it into the same kernel.)
 """
 
 import torch
@@ -22,8 +17,7 @@ ALIGN_BYTES = 32  # AVX512's aligned 256-bit load of 16 bf16
 
 
 class Int8Linear(nn.Module):
-    """nn.Linear with an int8 weight (out, in padded up to a multiple of 16, zero past `in`)
-    and one scale per output row; in_features / out_features are the layer's real sizes."""
+    """nn.Linear with an int8 weight and one scale per output row; in_features is the unpadded width."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -43,9 +37,8 @@ class Int8Linear(nn.Module):
         if pad:
             x = F.pad(x, (0, pad))                          # (B*T, padded_in), fresh and aligned
         elif not torch.compiler.is_compiling() and not aligned(x):
-            # A view starting inside a row (a slice of the last dim) would fault the kernel.
-            # Compiled graphs skip this (data_ptr is not traceable, and inductor would drop the
-            # copy as a no-op): no layer of the GPT gets such an input.
+            # A misaligned view (a slice of the last dim) faults the kernel. Compiled graphs skip this
+            # (data_ptr is not traceable, and inductor drops the copy as a no-op): no GPT layer makes one.
             x = x.clone(memory_format=torch.contiguous_format)          # (B*T, in)
         out = torch._weight_int8pack_mm(x, self.weight, self.scales.to(x.dtype))  # (B*T, out)
         out = out.view(*shape[:-1], self.out_features)                    # (..., out)
