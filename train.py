@@ -129,18 +129,17 @@ class TrainingState:
 
 def build(run: RunConfig, run_dir: Path, device, world_size: int, master: bool):
     """The model, optimizer and batches (resumed, or from init_from), and the model to step."""
+    _, train_tokens, val_tokens = load_prepared(run.data_dir)
     checkpoint.seed_rngs(run.train.seed)
     model = GPT(run.model)
     if run.source is not None:
-        with naming(run.source_option):
-            checkpoint.load_weights(model, run.source.model)
+        model.load_state_dict(run.source.model)  # checked against its config by check_options
     model.to(device)
     cfg = run.train
     optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
                                     fused=device.type == "cuda")
     # Every rank draws the same global batch and takes its own slice of it, so N processes see
     # exactly the batches one process would with N times the batch size.
-    _, train_tokens, val_tokens = load_prepared(run.data_dir)
     batches = partial(Batches, block_size=run.model.block_size, batch_size=cfg.batch_size * world_size,
                       device=device, seed=cfg.seed, on_device=run.data.on_device)
     eval_batches = {"train": batches(train_tokens), "val": batches(val_tokens)}  # fixed: same at every eval

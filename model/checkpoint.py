@@ -170,17 +170,22 @@ def unwrap(model) -> GPT:
     return getattr(model, "_orig_mod", model)
 
 
-def load_weights(model, weights: dict) -> None:
-    """Load a state dict into a GPT (wrapped or not), first checking that every tensor is there
-    with the shape the model's config gives it."""
-    model = unwrap(model)
-    expected = model.state_dict()
+def check_weights(weights: dict, config: GPTConfig) -> None:
+    """Every tensor a GPT of `config` has is in `weights`, with its shape, and no other."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        expected = GPT(config).state_dict()
     for name in sorted(expected.keys() | weights.keys()):
         got, want = weights.get(name), expected.get(name)
         if got is None or want is None or got.shape != want.shape:
             describe = lambda t: "absent" if t is None else f"shape {tuple(t.shape)}"
             raise ValueError(f"weights do not match its model config ({name}: "
                              f"{describe(got)} in the checkpoint, {describe(want)} in the model)")
+
+
+def load_weights(model, weights: dict) -> None:
+    """Load a state dict into a GPT (wrapped or not), checked against the model's config first."""
+    model = unwrap(model)
+    check_weights(weights, model.config)
     model.load_state_dict(weights)
 
 

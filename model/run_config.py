@@ -37,7 +37,6 @@ class RunConfig:
     data_dir: Path                # the prepared token arrays
     meta: dict                    # their tokenizer
     source: checkpoint.Checkpoint | None = None   # the checkpoint resumed or started from
-    source_option: str = ""       # the option that named it, train.resume=... or init_from=...
 
 
 def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunConfig:
@@ -66,6 +65,9 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
     if source is not None and not same_tokenizer(source.data_meta, meta):
         raise ValueError(f"{option} was trained with {describe_tokenizer(source.data_meta)}, but this data "
                          f"has {describe_tokenizer(meta)}: its token ids would mean other text")
+    if source is not None:
+        with naming(option):
+            checkpoint.check_weights(source.model, source.model_config)
     model = dataclasses.replace(model, vocab_size=cfg.model.get("vocab_size") or meta["vocab_size"])
     if train_cfg.resume:
         check_resumable(source, model, train_cfg, option)
@@ -81,7 +83,7 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
                              f"({meta[f'{split}_tokens']:,} tokens): lower it, or give more text "
                              f"(data.path, data.val_fraction)")
     config = OmegaConf.to_container(cfg, resolve=True) | {"model": dataclasses.asdict(model)}
-    return RunConfig(config, train_cfg, data_cfg, model, device, data_dir, meta, source, option)
+    return RunConfig(config, train_cfg, data_cfg, model, device, data_dir, meta, source)
 
 
 def model_config(node, vocab_size: int) -> GPTConfig:
