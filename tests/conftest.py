@@ -65,3 +65,22 @@ def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("tiny_ckpt")
     train_checked(compose(*tiny_run, "train.max_iters=30", "train.eval_interval=15"), run_dir)
     return run_dir
+
+
+@pytest.fixture(scope="session", autouse=True)
+def docs_commands(request, hermetic_env, tmp_path_factory):
+    """When the session runs tests/test_readme.py's run of every README and docs command, those
+    commands start now, in a background thread, and run beside the rest of the suite; the test
+    waits for them. Yields the future of that run (None when not selected)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_readme import run_every_command
+
+    if not any(item.name == "test_every_command_of_the_readme_and_docs_runs_as_written"
+               for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(run_every_command, tmp_path_factory.mktemp("docs_commands"))
+        yield future
+        future.cancel()

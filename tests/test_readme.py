@@ -1,16 +1,22 @@
-"""README.md: every shell command in its ```bash blocks runs as written, in order, in a fresh
-folder, with tiny models and a few steps appended where a command would train or sample long."""
+"""README.md and docs/*.md: every shell command in their ```bash blocks runs as written, each
+file's in order, with tiny models and a few steps appended where a command would train or sample
+long. The README's first training run is the run the other files' placeholders name; after it,
+the files run side by side, each in a folder of its own. conftest starts them in the background
+when the session starts: each is mostly process start-up, on the core the in-process tests leave
+idle."""
 
 import os
 import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.helpers import ROOT, clean_env, hf_gpt2
 
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train.eval_interval=1",
                  "train.eval_iters=1", "train.warmup_iters=1", "train.sample_tokens=20",
                  "train.compile=false", "train.full_val=false"]
@@ -24,12 +30,11 @@ APPENDED = {  # what each command line gets appended (last wins in Hydra's overr
 SKIPPED = ("pip ", "pytest")  # the environment is installed already, and the suite is running
 
 
-def readme_commands() -> list[str]:
-    """The shell commands of README.md's bash blocks: continued lines joined, comments dropped,
-    `a && b` split into a and b, installs and the test run itself left out."""
-    text = (ROOT / "README.md").read_text()
+def bash_commands(path) -> list[str]:
+    """The shell commands of a markdown file's bash blocks: continued lines joined, comments
+    dropped, `a && b` split into a and b, installs and the test run itself left out."""
     commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", path.read_text(), flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.sub(r"\s+#.*$", "", line).strip()
             commands += [part for part in line.split(" && ") if part and not part.startswith(SKIPPED)]
@@ -37,7 +42,7 @@ def readme_commands() -> list[str]:
 
 
 def tiny(command: str, run: str, hf_dir: str) -> str:
-    """The command with the README's placeholders filled in and tiny settings appended."""
+    """The command with the placeholders filled in and tiny settings appended."""
     command = (command.replace("outputs/2026-11-21/10-00-00", run).replace("ckpt=...", f"ckpt={run}")
                .replace("outputs/mha_run", run).replace("path/to/gpt2", hf_dir))
     script = re.search(r"(train\.py|generate\.py|benchmarks/attention_study\.py)", command)
@@ -47,25 +52,52 @@ def tiny(command: str, run: str, hf_dir: str) -> str:
     return " ".join([command, *map(shlex.quote, appended)])
 
 
-def test_the_readme_lists_the_commands_this_test_runs():
-    commands = readme_commands()
-    assert "python train.py" in commands and "python generate.py" in commands
-    assert any(c.startswith("torchrun ") for c in commands) and any("-m model.convert" in c for c in commands)
-    assert not any(c.startswith(SKIPPED) for c in commands)
+def test_the_docs_list_the_commands_this_test_runs():
+    readme = bash_commands(ROOT / "README.md")
+    assert readme[0] == "python train.py" and "python generate.py" in readme
+    everywhere = [c for path in DOCS for c in bash_commands(path)]
+    for shown in ("torchrun ", "python -m model.convert", "python -m data.prepare", "python generate.py"):
+        assert any(c.startswith(shown) for c in everywhere), shown
+    assert not any(c.startswith(SKIPPED) for c in everywhere)
+    linked = set(re.findall(r"\(docs/(\w+\.md)\)", (ROOT / "README.md").read_text()))
+    assert linked == {p.name for p in DOCS[1:]}  # every docs page is linked from the README
+
+
+def folder(tmp_path, name: str):
+    """A fresh working folder with the repo's scripts and a prompts file, as a user's checkout."""
+    work = tmp_path / name
+    work.mkdir()
+    for entry in ("train.py", "generate.py", "configs", "benchmarks"):
+        (work / entry).symlink_to(ROOT / entry)
+    (work / "prompts.txt").write_text("ROMEO:\nJULIET:\n")
+    return work
+
+
+def run_all(commands: list[str], cwd, env) -> None:
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+
+
+def run_every_command(tmp_path) -> None:
+    """The README's commands in order, then each docs page's in order, two pages at a time."""
+    hf_dir = str(tmp_path / "hf_gpt2")
+    hf_gpt2(hf_dir, vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    # One thread per command: the suite runs beside them (conftest starts them with the session).
+    env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+                    OMP_NUM_THREADS="1")
+    readme = folder(tmp_path, "readme")
+    first, *rest = dict.fromkeys(bash_commands(ROOT / "README.md"))  # a command shown twice runs once
+    run_all([tiny(first, "outputs/none-yet", hf_dir)], readme, env)
+    run = str(next((readme / "outputs").glob("*/*")))  # the run later commands name
+    lanes = [(readme, rest)] + [(folder(tmp_path, path.stem), bash_commands(path)) for path in DOCS[1:]]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for done in [pool.submit(run_all, [tiny(c, run, hf_dir) for c in commands], cwd, env)
+                     for cwd, commands in lanes]:
+            done.result()
 
 
 @pytest.mark.slow
-def test_every_readme_command_runs_as_written(tmp_path):
-    for name in ("train.py", "generate.py", "configs", "benchmarks"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    (tmp_path / "prompts.txt").write_text("ROMEO:\nJULIET:\n")
-    hf_gpt2(tmp_path / "gpt2", vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
-    env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
-    run = None
-    for command in readme_commands():
-        command = tiny(command, run or "outputs/none-yet", str(tmp_path / "gpt2"))
-        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True,
-                                text=True, timeout=300)
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
-        if run is None and command.startswith("python train.py"):  # the run later commands use
-            run = str(next((tmp_path / "outputs").glob("*/*")).relative_to(tmp_path))
+def test_every_command_of_the_readme_and_docs_runs_as_written(docs_commands):
+    docs_commands.result()  # started by conftest with the session; raises what a command raised
