@@ -121,7 +121,7 @@ def run_in_process(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.
         os.chdir(cwd)
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
                 warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)  # -m of an import
+            interpreter_warnings()
             try:
                 if args[0] == "-m":
                     sys.argv = ["-m", *args[2:]]  # runpy puts the module's path first, as python -m does
@@ -145,6 +145,18 @@ def run_in_process(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.
         GlobalHydra.instance().clear()
         release_run_dirs(held)
     return subprocess.CompletedProcess(args, code or 0, stdout.getvalue(), stderr.getvalue())
+
+
+def interpreter_warnings() -> None:
+    """Warnings as a new interpreter shows them, on sys.stderr (pytest's filters show more and record
+    them instead); `-m` of a module this process has imported is not one to show."""
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 def copy_tree(tree: dict) -> dict:

@@ -11,15 +11,25 @@ import torch
 from data.tokenizer import BPETokenizer, CharTokenizer
 from generate import GenerateConfig, print_samples, quote_literal_options, sample
 from model import checkpoint
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli, tiny_model
+from tests.helpers import (
+    MULTI_BYTE,
+    ROOT,
+    assert_one_line_error,
+    compose,
+    run_cli,
+    run_in_process,
+    tiny_model,
+)
 
 
 def generate_cli(*args, cwd=ROOT):
-    return run_cli("generate.py", *args, cwd=cwd)
+    """`python generate.py <args>`, run in this process."""
+    return run_in_process("generate.py", *args, cwd=cwd)
 
 
 def test_cli_streams_one_sample(tiny_ckpt):
-    result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=40")
+    """In a real process: what it prints and its exit code."""
+    result = run_cli("generate.py", f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=40")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) >= 46
 
