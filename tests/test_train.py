@@ -23,6 +23,7 @@ from tests.helpers import (
     hf_gpt2,
     read_metrics,
     run_cli,
+    run_in_process,
     step_losses,
 )
 from train import changed_on_command_line, command_line_train, lr_at, resume_config, train
@@ -143,7 +144,7 @@ def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
 
 
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
-    result = run_cli("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
+    result = run_in_process("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "error: model.n_kv_head=3 must divide n_head=4")
 
 
@@ -215,14 +216,16 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
     if sig == signal.SIGTERM:
         return  # the hint is the same; following it once (below) is enough
 
-    # the hint alone, with a longer run allowed: the saved config comes back (1 layer, lr 5e-3)
-    resumed = run_cli(*hint[1:], f"train.max_iters={step + 2}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    # the hint alone (run in this process), with a longer run allowed: the saved config comes back
+    # (1 layer, lr 5e-3)
+    resumed = run_in_process(*hint[1:], f"train.max_iters={step + 2}",
+                             f"hydra.run.dir={tmp_path / 'resumed'}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     ckpt = checkpoint.load(tmp_path / "resumed")
     assert ckpt.step == step + 2 and ckpt.model_config.n_layer == 1 and ckpt.config["train"]["lr"] == 5e-3
     assert "changed here: train.max_iters" in resumed.stdout
     # an override that changes the model is refused by name
-    other = run_cli(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
+    other = run_in_process(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
     assert_one_line_error(other, f"train.resume={run_dir}: its model has model.n_layer=1 but this run "
                                  f"asks for 2")
 
@@ -242,14 +245,14 @@ def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_
 
 @pytest.mark.slow
 def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tmp_path):
-    first = start_training(tiny_run, tmp_path)
-    second = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    first = start_training(tiny_run, tmp_path)  # another process
+    second = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
     first.send_signal(signal.SIGINT)
     first.communicate(timeout=60)
     assert_one_line_error(second, f"hydra.run.dir={tmp_path} is in use: another process is training there")
 
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    third = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    third = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
     assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
                                  f"would overwrite: continue it with train.resume={tmp_path}")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
@@ -290,7 +293,7 @@ def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_two_processes_match_one(tiny_run, tmp_path):
-    one = run_cli("train.py", *tiny_run, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
+    one = run_in_process("train.py", *tiny_run, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr
     two = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py",
                   *tiny_run, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'two'}",
@@ -306,12 +309,12 @@ def test_ddp_two_processes_match_one(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweeps_the_three_variants(tiny_run, tmp_path):
-    result = run_cli("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
-                     f"hydra.sweep.dir={tmp_path}")
+    result = run_in_process("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
+                            f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert len(runs) == 3 and all(any(v in r for r in runs) for v in ("mha", "gqa", "mqa"))
     kv_heads = {checkpoint.load(tmp_path / r).model_config.n_kv_head for r in runs}
     assert kv_heads == {4, 2, 1}
-    again = run_cli("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
+    again = run_in_process("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
     assert_one_line_error(again, f"hydra.sweep.dir={tmp_path} already holds runs")
