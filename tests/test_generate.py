@@ -16,7 +16,6 @@ from tests.helpers import (
     ROOT,
     assert_one_line_error,
     compose,
-    run_cli,
     run_in_process,
     tiny_model,
 )
@@ -28,8 +27,7 @@ def generate_cli(*args, cwd=ROOT):
 
 
 def test_cli_streams_one_sample(tiny_ckpt):
-    """In a real process: what it prints and its exit code."""
-    result = run_cli("generate.py", f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=40")
+    result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=40")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) >= 46
 

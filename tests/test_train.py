@@ -283,9 +283,9 @@ def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
 
 
 def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
+    overrides = [*tiny_run, "train.max_iters=1", "train.full_val=false"]
     script = ("import sys; from tests.helpers import compose; from train import train; "
-              f"train(compose(*{tiny_run!r}, 'train.max_iters=1'), {str(tmp_path)!r}); "
-              "print('wandb' in sys.modules)")
+              f"train(compose(*{overrides!r}), {str(tmp_path)!r}); print('wandb' in sys.modules)")
     result = run_cli("-c", script)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
