@@ -5,6 +5,7 @@ import io
 import json
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,14 +245,26 @@ def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_
 
 
 @pytest.mark.slow
-def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tmp_path):
-    first = start_training(tiny_run, tmp_path)  # another process
-    second = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
-    first.send_signal(signal.SIGINT)
-    first.communicate(timeout=60)
+def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tiny_ckpt, tmp_path):
+    first = subprocess.Popen([sys.executable, "train.py", *tiny_run, "train.max_iters=100000",
+                              "train.eval_interval=100000", f"hydra.run.dir={tmp_path}"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=clean_env(), preexec_fn=default_sigint)
+    try:  # Hydra writes .hydra/ once the run dir is claimed: another process trains there from then on
+        deadline = time.monotonic() + 120
+        while not (tmp_path / ".hydra" / "overrides.yaml").exists() and first.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+        assert first.poll() is None, first.communicate()[1][-2000:]
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
     assert_one_line_error(second, f"hydra.run.dir={tmp_path} is in use: another process is training there")
 
+    shutil.copytree(tiny_ckpt, tmp_path, dirs_exist_ok=True)  # a run there now, with the .hydra/ above
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert any(p.parent.name == ".hydra" for p in before)
     third = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
     assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
                                  f"would overwrite: continue it with train.resume={tmp_path}")
