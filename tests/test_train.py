@@ -31,11 +31,14 @@ from train import changed_on_command_line, command_line_train, lr_at, resume_con
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
-    summary = train(compose(*tiny_run), tmp_path)
+    summary = train(compose(*tiny_run, "train.full_val=true"), tmp_path)
     metrics = read_metrics(tmp_path)
     evals = [m for m in metrics if "val_loss" in m]
     assert [m["step"] for m in evals] == [0, 6, 12]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    full_val = [m for m in metrics if "val_loss_full" in m]  # the whole val split, at the end
+    assert [m["step"] for m in full_val] == [12] and full_val[0]["val_loss_full"] == summary["val_loss_full"]
+    assert abs(summary["val_loss_full"] - evals[-1]["val_loss"]) < 0.1
     assert all({"loss", "lr", "tokens_per_s", "elapsed_s"} <= m.keys() for m in metrics if "loss" in m)
     assert {"best.pt", "ckpt.pt", "loss.png", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     ckpt = checkpoint.load(tmp_path)
@@ -306,16 +309,17 @@ def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_ddp_two_processes_match_one(tiny_run, tmp_path):
-    one = run_in_process("train.py", *tiny_run, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
+    one = run_in_process("train.py", *tiny_run, "train.batch_size=8", "train.full_val=true",
+                         f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr
     two = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py",
-                  *tiny_run, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'two'}",
+                  *tiny_run, "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={tmp_path / 'two'}",
                   env={"OMP_NUM_THREADS": "1"})
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
     for x, y in zip(a, b):
-        for key in ("loss", "val_loss"):
+        for key in ("loss", "val_loss", "val_loss_full"):
             if key in x:
                 assert abs(x[key] - y[key]) < 1e-4, (x, y)
 
