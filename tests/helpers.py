@@ -100,6 +100,24 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -
                           timeout=timeout, env=clean_env(**(env or {})))
 
 
+def start_cli(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.Popen:
+    """run_cli's command, started and not awaited (finish() awaits it): processes that spend their
+    seconds importing torch and Hydra side by side use both cores."""
+    if args[0].endswith(".py"):
+        args = (str(ROOT / args[0]), *args[1:])
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_env(**(env or {})))
+
+
+def finish(proc: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A started command's result, as run_cli gives it."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_in_process(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
     """What `python <args>` (a script of the repo, or -m module) does, run in this process: for
     tests of what a command says and its exit code, without the seconds a new process takes to
