@@ -3,8 +3,6 @@ and batches."""
 
 import dataclasses
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import torch
 from data.batches import Batches
 from data.prepare import TINYSHAKESPEARE_PATH, load_prepared, prepare
 from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, clean_env, data_config, run_in_process
+from tests.helpers import MULTI_BYTE, assert_one_line_error, data_config, finish, run_in_process, start_cli
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -137,9 +135,9 @@ def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path, mo
     env = {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
     monkeypatch.delenv("KVGPT_CACHE")
-    char = run_in_process("-m", "data.prepare", "data=shakespeare_char", env=env)
-    bpe = subprocess.run([sys.executable, "-m", "data.prepare", "data=shakespeare_bpe"], cwd=ROOT,
-                         capture_output=True, text=True, env=clean_env(**env))
+    bpe = start_cli("-m", "data.prepare", "data=shakespeare_bpe", env=env)
+    char = run_in_process("-m", "data.prepare", "data=shakespeare_char", env=env)  # meanwhile
+    bpe = finish(bpe)
     for result, tokens in [(char, "1,003,854 train"), (bpe, "301,966 train")]:
         assert result.returncode == 0 and tokens in result.stdout, result.stderr[-2000:]
     prepared = sorted(p.parent.name.split("-")[-2] for p in (home / ".cache/kvgpt").glob("*/meta.json"))
