@@ -100,13 +100,14 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -
                           timeout=timeout, env=clean_env(**(env or {})))
 
 
-def start_cli(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.Popen:
+def start_cli(*args: str, env: dict | None = None, cwd=ROOT, **popen) -> subprocess.Popen:
     """run_cli's command, started and not awaited (finish() awaits it): processes that spend their
-    seconds importing torch and Hydra side by side use both cores."""
+    seconds importing torch and Hydra side by side, or beside the tests in this process, use both
+    cores. `popen`: more of subprocess.Popen's arguments."""
     if args[0].endswith(".py"):
         args = (str(ROOT / args[0]), *args[1:])
     return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=clean_env(**(env or {})))
+                            text=True, env=clean_env(**(env or {})), **popen)
 
 
 def finish(proc: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -5,9 +5,9 @@ import pytest
 from data.errors import run_guarded
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
 
-# Each entry point run as a real process, with a bad value the tests below do not cover, and the
+# Each entry point run as a real process, with a bad value the other tests do not cover, and the
 # words its one-line error must hold: the exit code and the one line are the interpreter's, not
-# a stand-in's (the tests below run the command lines in this process).
+# a stand-in's (the other tests run the command lines in this process).
 ENTRY_POINTS = {
     "train.py": (["train.py", "experiment=shakespeare_char_cpu", "train.eval_iters=0"],
                  "train.eval_iters must be >= 1"),
@@ -20,10 +20,11 @@ ENTRY_POINTS = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def entry_point_runs(request, tmp_path_factory):
-    """The processes of the ENTRY_POINTS the session runs, all started by the first test: the
-    seconds each spends importing torch and Hydra are spent side by side."""
+    """The processes of the ENTRY_POINTS the session runs, all started with this module's first
+    test: the seconds each spends importing torch and Hydra are spent side by side, and beside the
+    module's other tests, in this process; test_every_entry_point_reports_one_line awaits them."""
     names = [item.callspec.params["name"] for item in request.session.items
              if item.originalname == "test_every_entry_point_reports_one_line"]
     runs = {}
@@ -37,11 +38,6 @@ def entry_point_runs(request, tmp_path_factory):
         if proc.returncode is None:  # not awaited: its test was deselected or failed before
             proc.kill()
             proc.communicate()
-
-
-@pytest.mark.parametrize("name", ENTRY_POINTS)
-def test_every_entry_point_reports_one_line(name, entry_point_runs):
-    assert_one_line_error(finish(entry_point_runs[name]), ENTRY_POINTS[name][1])
 
 
 # Bad files, folders and combinations on the command line: each stops before any work with one
@@ -126,3 +122,9 @@ def test_hydra_full_error_reraises_in_process(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="bad"):
         run_guarded(lambda: int("bad"))
+
+
+# Last in this module: entry_point_runs' processes have run meanwhile.
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_reports_one_line(name, entry_point_runs):
+    assert_one_line_error(finish(entry_point_runs[name]), ENTRY_POINTS[name][1])

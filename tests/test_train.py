@@ -21,13 +21,58 @@ from tests.helpers import (
     assert_one_line_error,
     clean_env,
     compose,
+    finish,
     hf_gpt2,
     read_metrics,
-    run_cli,
     run_in_process,
+    start_cli,
     step_losses,
 )
 from train import changed_on_command_line, command_line_train, lr_at, resume_config, train
+
+
+def small_disk():
+    """In a child: writes past 60 kB fail (RLIMIT_FSIZE), as on a full disk."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+# The processes of tests that need nothing but a folder, started with this module's first test
+# (started_early): their seconds of imports and training run beside the tests before them, most
+# of which leave a core idle.
+STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
+    "test_a_full_disk_is_one_line_and_leaves_no_temp_file": lambda tiny_run, run_dir: start_cli(
+        "train.py", *tiny_run, f"hydra.run.dir={run_dir}", preexec_fn=small_disk),
+    "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir: start_cli(
+        "-c", "import sys; from tests.helpers import compose; from train import train; "
+              f"train(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
+              "print('wandb' in sys.modules)"),
+    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli(
+        "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py", *tiny_run,
+        "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_early(request, tiny_run, tmp_path_factory):
+    """{test: (its process, its folder)} for the tests of STARTED_EARLY this session runs."""
+    selected = {item.originalname for item in request.session.items}
+    runs = {}
+    for name, start in STARTED_EARLY.items():
+        if name in selected:
+            run_dir = tmp_path_factory.mktemp("early")
+            runs[name] = (start(tiny_run, run_dir), run_dir)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.returncode is None:  # not awaited: its test failed before
+            proc.terminate()  # torchrun passes it on to its processes
+            finish(proc, timeout=60)
+
+
+@pytest.fixture
+def early_run(request, started_early):
+    """This test's process of STARTED_EARLY, and its folder."""
+    return started_early[request.node.originalname]
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
@@ -274,16 +319,12 @@ def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_ru
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_temp_file(tiny_run, tmp_path):
-    """Writes past 60 kB fail (RLIMIT_FSIZE, as on a full disk): the first checkpoint (~130 kB)
+def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
+    """`python train.py` where writes past 60 kB fail (small_disk): the first checkpoint (~130 kB)
     cannot be written."""
-    def small_disk():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    result = subprocess.run([sys.executable, "train.py", *tiny_run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                            capture_output=True, text=True, env=clean_env(), preexec_fn=small_disk)
-    assert_one_line_error(result, f"cannot write checkpoint {tmp_path}/best.pt: File too large")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
+    proc, run_dir = early_run
+    assert_one_line_error(finish(proc), f"cannot write checkpoint {run_dir}/best.pt: File too large")
+    assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
@@ -298,25 +339,23 @@ def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
     assert b"tokens_per_s" in record_log and b"n_kv_head" in record_log  # metrics and config
 
 
-def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
-    overrides = [*tiny_run, "train.max_iters=1", "train.full_val=false"]
-    script = ("import sys; from tests.helpers import compose; from train import train; "
-              f"train(compose(*{overrides!r}), {str(tmp_path)!r}); print('wandb' in sys.modules)")
-    result = run_cli("-c", script)
+def test_wandb_is_not_imported_when_disabled(early_run):
+    """A run in a new process (STARTED_EARLY) says whether wandb is among its modules."""
+    result = finish(early_run[0])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one(tiny_run, tmp_path):
+def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
+    """torchrun with 2 processes of batch 4 (STARTED_EARLY), and one process of batch 8."""
     one = run_in_process("train.py", *tiny_run, "train.batch_size=8", "train.full_val=true",
-                         f"hydra.run.dir={tmp_path / 'one'}")
+                         f"hydra.run.dir={tmp_path}")
     assert one.returncode == 0, one.stderr
-    two = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py",
-                  *tiny_run, "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={tmp_path / 'two'}",
-                  env={"OMP_NUM_THREADS": "1"})
+    two, two_dir = early_run
+    two = finish(two)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = read_metrics(tmp_path), read_metrics(two_dir)
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
     for x, y in zip(a, b):
         for key in ("loss", "val_loss", "val_loss_full"):
