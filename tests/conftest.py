@@ -49,11 +49,13 @@ def bpe_data(data_cache) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_run(char_data) -> list[str]:
-    """Overrides for a seconds-long training run of the tiny model on char TinyShakespeare."""
+    """Overrides for a seconds-long training run of the tiny model on char TinyShakespeare. Without
+    the loss over the whole val split at the end (a second a run): the tests that need it set
+    train.full_val=true."""
     return [
         "experiment=shakespeare_char_cpu", "model=tiny", "train.batch_size=4", "train.max_iters=12",
         "train.eval_interval=6", "train.eval_iters=2", "train.log_interval=1",
-        "train.warmup_iters=2", "train.sample_tokens=0",
+        "train.warmup_iters=2", "train.sample_tokens=0", "train.full_val=false",
     ]
 
 

@@ -1,9 +1,16 @@
 """Builders the tests share: the one tiny model config, the attention variants, the real Hydra
-config, one way to run a command line, and the metrics of a run dir."""
+config, two ways to run a command line (a real process, or in this one), and the metrics of a
+run dir."""
 
+import contextlib
+import io
+import logging
 import os
+import runpy
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,8 +91,11 @@ def data_config(*overrides: str):
 
 
 def clean_env(**extra: str) -> dict:
-    """This process's environment (which conftest's hermetic_env has cleaned), plus `extra`."""
-    return dict(os.environ) | extra
+    """This process's environment (which conftest's hermetic_env has cleaned), plus `extra`; this
+    tree first on PYTHONPATH, so a command imports the code under test wherever it runs (not that
+    of another checkout an editable install points at)."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ) | {"PYTHONPATH": path} | extra
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -> subprocess.CompletedProcess:
@@ -97,6 +107,129 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -
                           timeout=timeout, env=clean_env(**(env or {})))
 
 
+def start_cli(*args: str, env: dict | None = None, cwd=ROOT, **popen) -> subprocess.Popen:
+    """run_cli's command, started and not awaited (finish() awaits it): processes that spend their
+    seconds importing torch and Hydra side by side, or beside the tests in this process, use both
+    cores. `popen`: more of subprocess.Popen's arguments."""
+    if args[0].endswith(".py"):
+        args = (str(ROOT / args[0]), *args[1:])
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=clean_env(**(env or {})), **popen)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A started command's result, as run_cli gives it."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()  # a no-op once it has ended
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_in_process(*args: str, env: dict | None = None, cwd=ROOT) -> subprocess.CompletedProcess:
+    """What `python <args>` (a script of the repo, or -m module) does, run in this process: for
+    tests of what a command says and its exit code, without the seconds a new process takes to
+    import torch and Hydra. The script runs as __main__ (runpy) with sys.argv, the working
+    directory and `env` set as run_cli would; SystemExit gives the exit code (a str is printed to
+    stderr with code 1, as the interpreter does). An exception that escapes is raised here, so the
+    test fails (a process would have printed a traceback). Afterwards this process is as it was:
+    argv, cwd, environment, signal handlers, logging, Hydra's global state and config store, and
+    the run dirs the command claimed (released, as its exit would)."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+
+    store = ConfigStore.instance()
+    saved = (sys.argv, os.getcwd(), dict(os.environ), copy_tree(store.repo), logging_state(),
+             {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}, dict(held_run_dirs()))
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    try:
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr), \
+                warnings.catch_warnings():
+            interpreter_warnings()
+            try:
+                if args[0] == "-m":
+                    sys.argv = ["-m", *args[2:]]  # runpy puts the module's path first, as python -m does
+                    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = [str(ROOT / args[0]), *args[1:]]
+                    runpy.run_path(str(ROOT / args[0]), run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) or e.code is None else 1
+                if not isinstance(e.code, int) and e.code is not None:
+                    print(e.code, file=sys.stderr)
+    finally:
+        sys.argv, cwd_before, environ, configs, logs, handlers, held = saved
+        restore_tree(store.repo, configs)  # the script registered its own copies of the schemas
+        os.chdir(cwd_before)
+        os.environ.clear()
+        os.environ.update(environ)
+        restore_logging(logs)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        GlobalHydra.instance().clear()
+        release_run_dirs(held)
+    return subprocess.CompletedProcess(args, code or 0, stdout.getvalue(), stderr.getvalue())
+
+
+def interpreter_warnings() -> None:
+    """Warnings as a new interpreter shows them, on sys.stderr (pytest's filters show more and record
+    them instead); `-m` of a module this process has imported is not one to show."""
+    warnings.resetwarnings()
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning, DeprecationWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    warnings.filterwarnings("ignore", "'.*' found in sys.modules", RuntimeWarning)
+    warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: \
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+
+def copy_tree(tree: dict) -> dict:
+    """A copy of nested dicts (Hydra's config store), sharing the leaves."""
+    return {k: copy_tree(v) if isinstance(v, dict) else v for k, v in tree.items()}
+
+
+def restore_tree(tree: dict, saved: dict) -> None:
+    """The leaves of `saved` put back in `tree`; what was added since stays."""
+    for k, v in saved.items():
+        if isinstance(v, dict) and isinstance(tree.get(k), dict):
+            restore_tree(tree[k], v)
+        else:
+            tree[k] = v
+
+
+def logging_state() -> dict:
+    """Every logger's handlers, level, propagation and disabled flag (Hydra configures logging)."""
+    loggers = [logging.root, *(v for v in logging.Logger.manager.loggerDict.values()
+                               if isinstance(v, logging.Logger))]
+    return {lg: (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
+
+
+def restore_logging(state: dict) -> None:
+    """The loggers of `state` back as they were; the handlers added to them since are closed (the
+    run dir's log file Hydra opened)."""
+    for lg, (handlers, level, propagate, disabled) in state.items():
+        for handler in set(lg.handlers) - set(handlers):
+            handler.close()
+        lg.handlers, lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
+
+
+def held_run_dirs() -> dict:
+    """The run dirs this process holds (their lock files' descriptors), wherever the project keeps
+    them."""
+    for name in ("model.run_dir", "model.checkpoint"):
+        held = getattr(sys.modules.get(name), "held_run_dirs", None)
+        if held is not None:
+            return held
+    return {}
+
+
+def release_run_dirs(before: dict) -> None:
+    """Close the run dirs claimed since `before` was taken (a copy), as the process's exit would."""
+    held = held_run_dirs()
+    for run_dir in [d for d in held if d not in before]:
+        os.close(held.pop(run_dir))
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, message: str) -> None:

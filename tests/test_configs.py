@@ -14,7 +14,7 @@ from generate import GenerateConfig
 from model import GPTConfig
 from model.command_line import config_object
 from model.run_config import model_config
-from tests.helpers import ROOT, assert_one_line_error, compose, run_cli
+from tests.helpers import ROOT, assert_one_line_error, compose, run_in_process
 from train import TrainConfig
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
@@ -106,7 +106,7 @@ def test_out_of_range_generate_options_name_the_option(override, field):
                                   ("train.py", "experiment=shakespeare_char_cpu", "model.dropout=abc"),
                                   ("generate.py", "ckpt=run", "max_new_tokens=abc")])
 def test_hydra_rejects_the_wrong_type_before_anything_runs_in_one_line(args):
-    assert_one_line_error(run_cli(*args), f"Error merging override {args[-1]}: Value")
+    assert_one_line_error(run_in_process(*args), f"Error merging override {args[-1]}: Value")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -119,12 +119,12 @@ def test_hydra_rejects_the_wrong_type_before_anything_runs_in_one_line(args):
     (["benchmarks/attention_study.py", "study.uptrain_iters=x"], "Error merging override study.uptrain"),
 ])
 def test_what_hydra_rejects_is_one_line_too(args, message):
-    assert_one_line_error(run_cli(*args), message)
+    assert_one_line_error(run_in_process(*args), message)
 
 
 def test_range_error_on_the_command_line_is_one_line(tmp_path):
-    result = run_cli("train.py", "experiment=shakespeare_char_cpu", "train.grad_accum=0",
-                     f"hydra.run.dir={tmp_path}")
+    result = run_in_process("train.py", "experiment=shakespeare_char_cpu", "train.grad_accum=0",
+                            f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "train.grad_accum must be >= 1, got 0")
 
 

@@ -7,7 +7,14 @@ import torch
 
 from model import GPT, checkpoint
 from model.convert import mean_pool_kv
-from tests.helpers import assert_one_line_error, compose, read_metrics, run_cli, tiny_model, train_checked
+from tests.helpers import (
+    assert_one_line_error,
+    compose,
+    read_metrics,
+    run_in_process,
+    tiny_model,
+    train_checked,
+)
 
 
 @pytest.mark.parametrize("kv_share", [1, 2])
@@ -56,7 +63,7 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
                   "train.lr=1e-2", "train.min_lr=1e-3"), parent)
     parent_val = checkpoint.load(parent / "best.pt").best_val
     converted = tmp_path / "mqa.pt"
-    result = run_cli("-m", "model.convert", str(parent), "--n-kv-head", "1", "--out", str(converted))
+    result = run_in_process("-m", "model.convert", str(parent), "--n-kv-head", "1", "--out", str(converted))
     assert result.returncode == 0, result.stderr
     assert "4x smaller" in result.stdout
     uptrained = tmp_path / "uptrained"
@@ -71,8 +78,8 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
 
 
 def test_convert_command_errors_are_one_line(tiny_ckpt, tmp_path):
-    convert = lambda n_kv_head, out: run_cli("-m", "model.convert", str(tiny_ckpt), "--n-kv-head", n_kv_head,
-                                             "--out", str(out))
+    convert = lambda n_kv_head, out: run_in_process("-m", "model.convert", str(tiny_ckpt), "--n-kv-head",
+                                                    n_kv_head, "--out", str(out))
     assert_one_line_error(convert("3", tmp_path / "a.pt"), "n_kv_head")
     (tmp_path / "folder.pt").mkdir()
     result = convert("2", tmp_path / "folder.pt")

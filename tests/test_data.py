@@ -3,8 +3,6 @@ and batches."""
 
 import dataclasses
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,7 +11,7 @@ import torch
 from data.batches import Batches
 from data.prepare import TINYSHAKESPEARE_PATH, load_prepared, prepare
 from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, clean_env, data_config, run_cli
+from tests.helpers import MULTI_BYTE, assert_one_line_error, data_config, finish, run_in_process, start_cli
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -124,22 +122,26 @@ def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
     assert not cache.exists() or not any(cache.rglob("*.*"))
 
 
-def run_prepare(*overrides, env=None):
-    return run_cli("-m", "data.prepare", *overrides, env=env)
+def run_prepare(*overrides):
+    """`python -m data.prepare <overrides>`, run in this process."""
+    return run_in_process("-m", "data.prepare", *overrides)
 
 
-def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path):
-    """A fresh machine: an empty home, no network, no settings: both built-in corpora prepare."""
+def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path, monkeypatch):
+    """A fresh machine: an empty home, no network, no settings: both built-in corpora prepare (GPT-2's
+    BPE in a new process, where nothing of the tokenizer is loaded yet)."""
     home = tmp_path / "home"
     home.mkdir()
     env = {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
-    env_without_cache = {k: v for k, v in clean_env(**env).items() if k != "KVGPT_CACHE"}
-    for data, tokens in [("shakespeare_char", "1,003,854 train"), ("shakespeare_bpe", "301,966 train")]:
-        result = subprocess.run([sys.executable, "-m", "data.prepare", f"data={data}"], cwd=ROOT,
-                                capture_output=True, text=True, env=env_without_cache)
+    monkeypatch.delenv("KVGPT_CACHE")
+    bpe = start_cli("-m", "data.prepare", "data=shakespeare_bpe", env=env)
+    char = run_in_process("-m", "data.prepare", "data=shakespeare_char", env=env)  # meanwhile
+    bpe = finish(bpe)
+    for result, tokens in [(char, "1,003,854 train"), (bpe, "301,966 train")]:
         assert result.returncode == 0 and tokens in result.stdout, result.stderr[-2000:]
-    assert (home / ".cache" / "kvgpt").is_dir()
+    prepared = sorted(p.parent.name.split("-")[-2] for p in (home / ".cache/kvgpt").glob("*/meta.json"))
+    assert prepared == ["bpe", "char"]  # both in the home's cache
 
 
 def test_shipped_files_are_checked_by_hash(tmp_path):

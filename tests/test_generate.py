@@ -12,11 +12,12 @@ from data.tokenizer import BPETokenizer, CharTokenizer
 from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
 from model import checkpoint
 from model.command_line import quote_literal_options
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_cli, tiny_model
+from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_in_process, tiny_model
 
 
 def generate_cli(*args, cwd=ROOT):
-    return run_cli("generate.py", *args, cwd=cwd)
+    """`python generate.py <args>`, run in this process."""
+    return run_in_process("generate.py", *args, cwd=cwd)
 
 
 def test_cli_streams_one_sample(tiny_ckpt):

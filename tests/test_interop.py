@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from model import GPT, checkpoint
-from tests.helpers import compose, hf_gpt2, run_cli, tiny_model, train_checked
+from tests.helpers import compose, hf_gpt2, run_in_process, tiny_model, train_checked
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,11 +43,12 @@ def test_finetune_from_hugging_face_then_sample(tmp_path):
     run = tmp_path / "run"
     train_checked(compose("experiment=shakespeare_bpe", f"init_from={hf_dir}", "train.max_iters=4",
                   "train.eval_interval=2", "train.eval_iters=1", "train.batch_size=2",
-                  "train.lr=3e-5", "train.min_lr=3e-5", "train.warmup_iters=0", "train.sample_tokens=0"), run)
+                  "train.lr=3e-5", "train.min_lr=3e-5", "train.warmup_iters=0", "train.sample_tokens=0",
+                  "train.full_val=false"), run)  # the whole val split through a 50257-wide head: 20 s
     ckpt = checkpoint.load(run)
     assert ckpt.model_config.n_embd == 16 and ckpt.model_config.block_size == 64
     assert ckpt.data_meta["tokenizer"] == "bpe"
-    result = run_cli("generate.py", f"ckpt={run}", "prompt=ROMEO:", "max_new_tokens=8")
+    result = run_in_process("generate.py", f"ckpt={run}", "prompt=ROMEO:", "max_new_tokens=8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
 

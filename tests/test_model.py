@@ -178,7 +178,7 @@ def test_tiny_model_overfits_one_batch(arch):
     x, y = idx[:, :-1], idx[:, 1:]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
-    for _ in range(200):
+    for _ in range(80):  # under 0.5 by step 40 for every arch (and seed 0 to 3); ~0.05 at step 80
         _, loss = model(x, y)
         first = first if first is not None else loss.item()
         opt.zero_grad()

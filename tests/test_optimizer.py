@@ -35,7 +35,7 @@ def test_adamw_is_one_torch_optimizer_over_every_parameter():
 
 def test_muon_trains_checkpoints_and_resumes_bit_identically(tiny_run, tmp_path):
     muon = [*tiny_run, "train.optimizer=muon"]
-    straight = train_checked(compose(*muon), tmp_path / "straight")
+    straight = train_checked(compose(*muon, "train.full_val=true"), tmp_path / "straight")
     train_checked(compose(*muon, "train.max_iters=6", "train.lr_decay_iters=12"), tmp_path / "first")
     train_checked(compose(*muon, f"train.resume={tmp_path / 'first'}"), tmp_path / "second")
     straight_losses = step_losses(tmp_path / "straight")

@@ -5,6 +5,7 @@ import io
 import json
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,21 +23,70 @@ from tests.helpers import (
     assert_one_line_error,
     clean_env,
     compose,
+    finish,
     hf_gpt2,
     read_metrics,
-    run_cli,
+    run_in_process,
+    start_cli,
     step_losses,
     train_checked,
 )
 from train import lr_at
 
 
+def small_disk():
+    """In a child: writes past 60 kB fail (RLIMIT_FSIZE), as on a full disk."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+# The processes of tests that need nothing but a folder, started with this module's first test
+# (started_early): their seconds of imports and training run beside the tests before them, most
+# of which leave a core idle.
+STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
+    "test_a_full_disk_is_one_line_and_leaves_no_temp_file": lambda tiny_run, run_dir: start_cli(
+        "train.py", *tiny_run, f"hydra.run.dir={run_dir}", preexec_fn=small_disk),
+    "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir: start_cli(
+        "-c", "import sys; from tests.helpers import compose, train_checked; "
+              f"train(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
+              "print('wandb' in sys.modules)"),
+    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli(
+        "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py", *tiny_run,
+        "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={run_dir}",
+        env={"OMP_NUM_THREADS": "1"}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_early(request, tiny_run, tmp_path_factory):
+    """{test: (its process, its folder)} for the tests of STARTED_EARLY this session runs."""
+    selected = {item.originalname for item in request.session.items}
+    runs = {}
+    for name, start in STARTED_EARLY.items():
+        if name in selected:
+            run_dir = tmp_path_factory.mktemp("early")
+            runs[name] = (start(tiny_run, run_dir), run_dir)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.returncode is None:  # not awaited: its test failed before
+            proc.terminate()  # torchrun passes it on to its processes
+            finish(proc, timeout=60)
+
+
+@pytest.fixture
+def early_run(request, started_early):
+    """This test's process of STARTED_EARLY, and its folder."""
+    return started_early[request.node.originalname]
+
+
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
-    summary = train_checked(compose(*tiny_run), tmp_path)
+    summary = train_checked(compose(*tiny_run, "train.full_val=true"), tmp_path)
     metrics = read_metrics(tmp_path)
     evals = [m for m in metrics if "val_loss" in m]
     assert [m["step"] for m in evals] == [0, 6, 12]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    full_val = [m for m in metrics if "val_loss_full" in m]  # the whole val split, at the end
+    assert [m["step"] for m in full_val] == [12] and full_val[0]["val_loss_full"] == summary["val_loss_full"]
+    assert abs(summary["val_loss_full"] - evals[-1]["val_loss"]) < 0.1
     assert all({"loss", "lr", "tokens_per_s", "elapsed_s"} <= m.keys() for m in metrics if "loss" in m)
     assert {"best.pt", "ckpt.pt", "loss.png", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     ckpt = checkpoint.load(tmp_path)
@@ -145,15 +195,16 @@ def test_bad_wandb_mode_names_the_option(tiny_run, tmp_path):
 
 def test_bad_options_stop_before_a_run_dir_or_a_sweep_job_exists(tiny_run, tmp_path):
     """Every job of the command line is checked before Hydra creates anything: one line, exit 1."""
-    single = run_cli("train.py", *tiny_run, "train.lr=-1", f"hydra.run.dir={tmp_path / 'run'}")
+    single = run_in_process("train.py", *tiny_run, "train.lr=-1", f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(single, "train.lr must be > 0, got -1.0")
-    sweep = run_cli("train.py", "-m", *tiny_run, "train.lr=1e-3,-1", f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    sweep = run_in_process("train.py", "-m", *tiny_run, "train.lr=1e-3,-1",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert_one_line_error(sweep, "train.lr must be > 0, got -1.0")
     assert not any(tmp_path.iterdir())
 
 
 def test_invalid_model_is_one_line_error(tiny_run, tmp_path):
-    result = run_cli("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
+    result = run_in_process("train.py", *tiny_run, "model.n_kv_head=3", f"hydra.run.dir={tmp_path}")
     assert_one_line_error(result, "error: model.n_kv_head=3 must divide n_head=4")
 
 
@@ -232,14 +283,16 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
     if sig == signal.SIGTERM:
         return  # the hint is the same; following it once (below) is enough
 
-    # the hint alone, with a longer run allowed: the saved config comes back (1 layer, lr 5e-3)
-    resumed = run_cli(*hint[1:], f"train.max_iters={step + 2}", f"hydra.run.dir={tmp_path / 'resumed'}")
+    # the hint alone (run in this process), with a longer run allowed: the saved config comes back
+    # (1 layer, lr 5e-3)
+    resumed = run_in_process(*hint[1:], f"train.max_iters={step + 2}",
+                             f"hydra.run.dir={tmp_path / 'resumed'}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     ckpt = checkpoint.load(tmp_path / "resumed")
     assert ckpt.step == step + 2 and ckpt.model_config.n_layer == 1 and ckpt.config["train"]["lr"] == 5e-3
     assert "changed here: train.max_iters" in resumed.stdout
     # an override that changes the model is refused by name
-    other = run_cli(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
+    other = run_in_process(*hint[1:], "model.n_layer=2", f"hydra.run.dir={tmp_path / 'other'}")
     assert_one_line_error(other, f"train.resume={run_dir}: its model has model.n_layer=1 but this run "
                                  f"asks for 2")
 
@@ -258,30 +311,38 @@ def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_
 
 
 @pytest.mark.slow
-def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tmp_path):
-    first = start_training(tiny_run, tmp_path)
-    second = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
-    first.send_signal(signal.SIGINT)
-    first.communicate(timeout=60)
+def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tiny_ckpt, tmp_path):
+    first = subprocess.Popen([sys.executable, "train.py", *tiny_run, "train.max_iters=100000",
+                              "train.eval_interval=100000", f"hydra.run.dir={tmp_path}"],
+                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=clean_env(), preexec_fn=default_sigint)
+    try:  # Hydra writes .hydra/ once the run dir is claimed: another process trains there from then on
+        deadline = time.monotonic() + 120
+        while not (tmp_path / ".hydra" / "overrides.yaml").exists() and first.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+        assert first.poll() is None, first.communicate()[1][-2000:]
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
     assert_one_line_error(second, f"hydra.run.dir={tmp_path} is in use: another process is training there")
 
+    shutil.copytree(tiny_ckpt, tmp_path, dirs_exist_ok=True)  # a run there now, with the .hydra/ above
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    third = run_cli("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    assert any(p.parent.name == ".hydra" for p in before)
+    third = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
     assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
                                  f"would overwrite: continue it with train.resume={tmp_path}")
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_temp_file(tiny_run, tmp_path):
-    """Writes past 60 kB fail (RLIMIT_FSIZE, as on a full disk): the first checkpoint (~130 kB)
+def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
+    """`python train.py` where writes past 60 kB fail (small_disk): the first checkpoint (~130 kB)
     cannot be written."""
-    def small_disk():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-    result = subprocess.run([sys.executable, "train.py", *tiny_run, f"hydra.run.dir={tmp_path}"], cwd=ROOT,
-                            capture_output=True, text=True, env=clean_env(), preexec_fn=small_disk)
-    assert_one_line_error(result, f"cannot write checkpoint {tmp_path}/best.pt: File too large")
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
+    proc, run_dir = early_run
+    assert_one_line_error(finish(proc), f"cannot write checkpoint {run_dir}/best.pt: File too large")
+    assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
@@ -296,39 +357,38 @@ def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
     assert b"tokens_per_s" in record_log and b"n_kv_head" in record_log  # metrics and config
 
 
-def test_wandb_is_not_imported_when_disabled(tiny_run, tmp_path):
-    script = ("import sys; from tests.helpers import compose, train_checked; "
-              f"train_checked(compose(*{tiny_run!r}, 'train.max_iters=1'), {str(tmp_path)!r}); "
-              "print('wandb' in sys.modules)")
-    result = run_cli("-c", script)
+def test_wandb_is_not_imported_when_disabled(early_run):
+    """A run in a new process (STARTED_EARLY) says whether wandb is among its modules."""
+    result = finish(early_run[0])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
 @pytest.mark.slow
-def test_ddp_two_processes_match_one(tiny_run, tmp_path):
-    one = run_cli("train.py", *tiny_run, "train.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}")
+def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
+    """torchrun with 2 processes of batch 4 (STARTED_EARLY), and one process of batch 8."""
+    one = run_in_process("train.py", *tiny_run, "train.batch_size=8", "train.full_val=true",
+                         f"hydra.run.dir={tmp_path}")
     assert one.returncode == 0, one.stderr
-    two = run_cli("-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py",
-                  *tiny_run, "train.batch_size=4", f"hydra.run.dir={tmp_path / 'two'}",
-                  env={"OMP_NUM_THREADS": "1"})
+    two, two_dir = early_run
+    two = finish(two)
     assert two.returncode == 0, two.stderr[-3000:]
-    a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    a, b = read_metrics(tmp_path), read_metrics(two_dir)
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
     for x, y in zip(a, b):
-        for key in ("loss", "val_loss"):
+        for key in ("loss", "val_loss", "val_loss_full"):
             if key in x:
                 assert abs(x[key] - y[key]) < 1e-4, (x, y)
 
 
 @pytest.mark.slow
 def test_multirun_sweeps_the_three_variants(tiny_run, tmp_path):
-    result = run_cli("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
-                     f"hydra.sweep.dir={tmp_path}")
+    result = run_in_process("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
+                            f"hydra.sweep.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-2000:]
     runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
     assert len(runs) == 3 and all(any(v in r for r in runs) for v in ("mha", "gqa", "mqa"))
     kv_heads = {checkpoint.load(tmp_path / r).model_config.n_kv_head for r in runs}
     assert kv_heads == {4, 2, 1}
-    again = run_cli("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
+    again = run_in_process("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
     assert_one_line_error(again, f"hydra.sweep.dir={tmp_path} already holds runs")
