@@ -121,5 +121,10 @@ def test_the_result_passes_through():
 def test_hydra_full_error_reraises_in_process(monkeypatch):
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ValueError, match="bad"):
-from model.command_line import exit_on_user_error
-from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
+        exit_on_user_error(lambda: int("bad"))
+
+
+# Last in this module: entry_point_runs' processes have run meanwhile.
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_every_entry_point_reports_one_line(name, entry_point_runs):
+    assert_one_line_error(finish(entry_point_runs[name]), ENTRY_POINTS[name][1])
