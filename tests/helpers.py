@@ -1,6 +1,6 @@
 """Builders the tests share: the one tiny model config, the attention variants, the real Hydra
-config, two ways to run a command line (a real process, or in this one), and the metrics of a
-run dir."""
+config, the ways to run a command line (a real process, awaited now or later, or in this one),
+and the metrics of a run dir."""
 
 import contextlib
 import io
