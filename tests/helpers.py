@@ -1,6 +1,6 @@
 """Builders the tests share: the one tiny model config, the attention variants, the real Hydra
-config, two ways to run a command line (a real process, or in this one), and the metrics of a
-run dir."""
+config, the ways to run a command line (a real process, awaited now or later, or in this one),
+and the metrics of a run dir."""
 
 import contextlib
 import io
@@ -93,9 +93,11 @@ def data_config(*overrides: str):
 def clean_env(**extra: str) -> dict:
     """This process's environment (which conftest's hermetic_env has cleaned), plus `extra`; this
     tree first on PYTHONPATH, so a command imports the code under test wherever it runs (not that
-    of another checkout an editable install points at)."""
+    of another checkout an editable install points at); one thread for torch, as in this process
+    (on 2 cores, the idle threads of a pool spinning between a tiny model's ops take the core
+    another process needs: a tiny train.py took twice the CPU time with two)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ) | {"PYTHONPATH": path} | extra
+    return dict(os.environ) | {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"} | extra
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd=ROOT) -> subprocess.CompletedProcess:
