@@ -47,10 +47,10 @@ STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
         "train.py", *tiny_run, f"hydra.run.dir={run_dir}", preexec_fn=small_disk),
     "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir: start_cli(
         "-c", "import sys; from tests.helpers import compose, train_checked; "
-              f"train(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
+              f"train_checked(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
               "print('wandb' in sys.modules)"),
     "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli(
-        "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "train.py", *tiny_run,
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *tiny_run,
         "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={run_dir}",
         env={"OMP_NUM_THREADS": "1"}),
 }
