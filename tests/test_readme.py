@@ -75,8 +75,10 @@ def folder(tmp_path, name: str):
 
 def run_all(commands: list[str], cwd, env) -> None:
     for command in commands:
-        result = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                                timeout=300)
+        # `ulimit -f unlimited`: a full-disk test lowers this process's file-size limit for a moment,
+        # and a command started meanwhile would inherit it.
+        result = subprocess.run(["bash", "-c", f"ulimit -f unlimited; {command}"], cwd=cwd, env=env,
+                                capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
 
 
