@@ -212,7 +212,7 @@ def train(run: RunConfig, run_dir) -> dict:
                 state.step += 1
                 tokens_since += tokens_per_step
                 if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
-                    loss = mean_over_ranks(loss.detach(), world_size)
+                    loss = mean_over_ranks(loss.detach())
                     if not math.isfinite(loss_value := loss.item()):
                         raise state.diverged("loss", loss_value)
                     tokens_per_s = tokens_since / (time.perf_counter() - t0)

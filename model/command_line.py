@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -231,11 +231,10 @@ def changed_on_command_line(cfg: DictConfig, overrides: list[str], config_dir) -
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if GlobalHydra.instance().is_initialized():
+    # Inside @hydra.main Hydra is initialized already; before it (the command line's checks), not.
+    initialized = GlobalHydra.instance().is_initialized()
+    with nullcontext() if initialized else initialize_config_dir(str(config_dir), version_base="1.3"):
         alone = hydra.compose(config_name="no_groups", overrides=options)
-    else:
-        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-            alone = hydra.compose(config_name="no_groups", overrides=options)
     return changed | flat(OmegaConf.to_container(alone)).keys()
 
 

@@ -52,11 +52,11 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
 
 
-def mean_over_ranks(value: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The sum over ranks divided by world_size (1: the sum); itself in a single process."""
+def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    """The mean of `value` over the processes of a torchrun job; itself in a single process."""
     if dist.is_initialized():
         dist.all_reduce(value)
-        value /= world_size
+        value /= dist.get_world_size()
     return value
 
 
