@@ -28,7 +28,7 @@ from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, quote_literal_options
 from model.device import DTYPES, check_device, pick_device
-from model.generation import check_sampling, compile_decode_step, left_pad, load_model, stream, timed_stream
+from model.generation import CompiledDecodeStep, check_sampling, left_pad, load_model, stream, timed_stream
 from model.plots import plot_attention
 from model.run_dir import latest_run
 
@@ -129,7 +129,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
         plot_attention(model, ids, labels, cfg.attn_layer, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
-    decode_step = compile_decode_step(model) if cfg.compile and cfg.kv_cache else None
+    decode_step = CompiledDecodeStep(model, len(prompts)) if cfg.compile and cfg.kv_cache else None
     if cfg.benchmark:
         print_benchmark(model, encoded[0], cfg.max_new_tokens, out, decode_step)
         return []

@@ -17,7 +17,6 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
 import math
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -37,7 +36,7 @@ from data.prepare import load_prepared
 from data.tokenizer import tokenizer_from_meta
 from model import GPT, checkpoint
 from model.command_line import composed_jobs, exit_on_user_error, naming, with_default_experiment
-from model.device import autocast, check_device, init_distributed, mean_over_ranks, print0
+from model.device import Throughput, autocast, check_device, init_distributed, mean_over_ranks, print0
 from model.evaluation import estimate_loss, split_loss
 from model.optimizer import OPTIMIZERS, configure_optimizer
 from model.plots import plot_losses
@@ -103,23 +102,25 @@ class TrainingState:
     """What the loop advances and a checkpoint saves."""
 
     model: GPT                    # the plain model, not its compiled or DDP wrapper
+    compiled: torch.nn.Module     # the model as it runs: compiled, or the plain one
     optimizer: torch.optim.Optimizer
     batches: Batches              # the training batches, whose RNG state is saved
     run: RunConfig
     run_dir: Path
-    master: bool
+    device: torch.device
+    rank: int
     step: int = 0
     best_val: float = math.inf
     last_saved: Path | None = None
 
-    def save(self, name: str) -> Path:  # rank 0 writes
-        path = self.run_dir / name
-        if self.master:
+    def save(self, name: str) -> Path:  # every rank calls it (their RNG states); rank 0 writes
+        path, processes = self.run_dir / name, checkpoint.rng_states_of_ranks(self.device)
+        if self.rank == 0:
             checkpoint.save(path, checkpoint.Checkpoint(
                 model=self.model.state_dict(), model_config=self.model.config, data_meta=self.run.meta,
                 config=self.run.config, step=self.step, best_val=self.best_val,
                 optimizer=self.optimizer.state_dict(),
-                rng={**checkpoint.rng_state(), "batches": self.batches.state_dict()}))
+                rng={"processes": processes, "batches": self.batches.state_dict()}))
         return path
 
     def diverged(self, what: str, value: float) -> FloatingPointError:
@@ -127,39 +128,41 @@ class TrainingState:
         return FloatingPointError(f"{what} is {value} at step {self.step}: stopped{kept}")
 
 
-def build(run: RunConfig, run_dir: Path, device, world_size: int, master: bool):
+def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
     """The model, optimizer and batches (resumed, or from init_from), and the model to step."""
-    _, train_tokens, val_tokens = load_prepared(run.data_dir)
-    checkpoint.seed_rngs(run.train.seed)
-    model = GPT(run.model)
+    cfg, (_, train_tokens, val_tokens) = run.train, load_prepared(run.data_dir)
+    checkpoint.seed_rngs(cfg.seed)
+    model = GPT(run.model)  # the same initial weights on every rank
+    if rank > 0:  # each rank its own dropout masks; rank 0 draws what a single process draws
+        checkpoint.seed_rngs(cfg.seed + rank)
     if run.source is not None:
         model.load_state_dict(run.source.model)  # checked against its config by check_options
     model.to(device)
-    cfg = run.train
     optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
                                     fused=device.type == "cuda")
     # Every rank draws the same global batch and takes its own slice of it, so N processes see
     # exactly the batches one process would with N times the batch size.
     batches = partial(Batches, block_size=run.model.block_size, batch_size=cfg.batch_size * world_size,
                       device=device, seed=cfg.seed, on_device=run.data.on_device)
-    eval_batches = {"train": batches(train_tokens), "val": batches(val_tokens)}  # fixed: same at every eval
-    state = TrainingState(model, optimizer, batches(train_tokens), run, run_dir, master)
+    train_batches = batches(train_tokens)
+    eval_batches = {"train": batches(train_batches.tokens), "val": batches(val_tokens)}  # same at every eval
+    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
+    state = TrainingState(model, torch.compile(model) if compiled else model, optimizer, train_batches,
+                          run, run_dir, device, rank)
     if cfg.resume:
         optimizer.load_state_dict(run.source.optimizer)
         state.step, state.best_val = run.source.step, run.source.best_val
-        checkpoint.restore_rng(run.source.rng)
+        checkpoint.restore_rng(run.source.rng["processes"], rank, device)
         state.batches.load_state_dict(run.source.rng["batches"])
         print0(f"resumed from {cfg.resume} at step {state.step} (best val {state.best_val:.4f})")
-    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
-    stepped = torch.compile(model) if compiled else model
-    if world_size > 1:
-        stepped = DDP(stepped, device_ids=[device.index] if device.type == "cuda" else None)
-    c, tokens_per_step = run.model, cfg.batch_size * world_size * cfg.grad_accum * run.model.block_size
+    stepped = DDP(state.compiled, device_ids=[device.index] if device.type == "cuda" else None) \
+        if world_size > 1 else state.compiled
+    c = run.model
     print0(f"model: {model.num_params() / 1e6:.2f}M parameters, n_layer={c.n_layer} n_head={c.n_head} "
            f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} block_size={c.block_size}, KV cache per token: "
            f"{c.kv_cache_formula()} | data: {run.meta['tokenizer']} vocab {run.meta['vocab_size']}, "
-           f"{len(train_tokens):,} train tokens | {tokens_per_step:,} tokens/step on {world_size} x "
-           f"{device} | run dir: {run_dir}")
+           f"{len(train_tokens):,} train tokens | {run.tokens_per_step(world_size):,} tokens/step on "
+           f"{world_size} x {device} | run dir: {run_dir}")
     return state, stepped, eval_batches
 
 
@@ -179,21 +182,22 @@ def train(run: RunConfig, run_dir) -> dict:
     """Train as `run` says, writing metrics, checkpoints and a loss plot to run_dir, which must
     not hold another run. Ctrl-C or SIGTERM saves ckpt.pt and returns {"interrupted": signal}."""
     rank, world_size, device = init_distributed(run.device)
-    master, cfg = rank == 0, run.train
-    run_dir = claim_run_dir(run_dir) if master else Path(run_dir)
+    cfg = run.train
+    run_dir = claim_run_dir(run_dir) if rank == 0 else Path(run_dir)
     try:
-        if master and cfg.resume:
+        if rank == 0 and cfg.resume:
             remove_stale_temp_files(checkpoint.find(cfg.resume).parent)
-        log = MetricsLog(run_dir, run.config, master, run.source.step if cfg.resume else 0, cfg.max_iters)
-        state, model, eval_batches = build(run, run_dir, device, world_size, master)
-        amp, lo, hi = autocast(device, cfg.dtype), rank * cfg.batch_size, (rank + 1) * cfg.batch_size
-        tokens_per_step = cfg.batch_size * world_size * cfg.grad_accum * run.model.block_size
-        t0, tokens_since = time.perf_counter(), 0
+        log = MetricsLog(run_dir, run.config, rank == 0, run.source.step if cfg.resume else 0, cfg.max_iters)
+        state, model, eval_batches = build(run, run_dir, device, rank, world_size)
+        amp, rows = autocast(device, cfg.dtype), slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
+        peak = cfg.peak_tflops * 1e12 if device.type == "cuda" else None  # MFU on GPUs only
+        speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(),
+                           world_size, peak)
         with stop_requests() as stop:
             while True:
-                if master and (state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters):
-                    evaluate(state, eval_batches, amp, log)
-                    t0, tokens_since = time.perf_counter(), 0  # throughput counts training only
+                if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
+                    evaluate(state, eval_batches, amp, rows, log)
+                    speed.restart()  # throughput counts training only
                 if state.step == cfg.max_iters:
                     break
                 lr = lr_at(state.step, cfg)
@@ -203,24 +207,21 @@ def train(run: RunConfig, run_dir) -> dict:
                     x, y = state.batches.next()
                     last_micro = micro == cfg.grad_accum - 1  # DDP syncs gradients only then
                     with model.no_sync() if world_size > 1 and not last_micro else nullcontext(), amp:
-                        _, loss = model(x[lo:hi], y[lo:hi])
+                        _, loss = model(x[rows], y[rows])
                     (loss / cfg.grad_accum).backward()
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 state.optimizer.step()
                 state.optimizer.zero_grad(set_to_none=True)
                 state.step += 1
-                tokens_since += tokens_per_step
+                speed.step_done()
                 if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
                     loss = mean_over_ranks(loss.detach())
                     if not math.isfinite(loss_value := loss.item()):
                         raise state.diverged("loss", loss_value)
-                    tokens_per_s = tokens_since / (time.perf_counter() - t0)
-                    mfu = (state.model.flops_per_token() * tokens_per_s / (cfg.peak_tflops * 1e12)
-                           if device.type == "cuda" else None)
-                    log.training_step(state.step, loss_value, lr, tokens_per_s, mfu)
+                    log.training_step(state.step, loss_value, lr, *speed.read())
                 log.bar.update(1)
-                if stop.on_any_rank(device):
+                if stop.on_any_rank(device, state.step, cfg.log_interval):
                     break
         return finish(state, log, amp, stop)
     finally:
@@ -231,10 +232,10 @@ def train(run: RunConfig, run_dir) -> dict:
 
 # ----------------------------------------------------------------------------- evaluate and save
 
-def evaluate(state: TrainingState, eval_batches: dict, amp, log: MetricsLog) -> None:
-    """Evaluate on the fixed batches; save best.pt if val improved, and ckpt.pt (not at step 0)."""
+def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: MetricsLog) -> None:
+    """Evaluate on the fixed batches (each rank its rows); save best.pt if val improved, and ckpt.pt."""
     cfg = state.run.train
-    losses = estimate_loss(state.model, eval_batches, cfg.eval_iters, cfg.seed, amp)
+    losses = estimate_loss(state.compiled, eval_batches, cfg.eval_iters, cfg.seed, amp, rows)
     log.record({"step": state.step, "train_loss": losses["train"], "val_loss": losses["val"]})
     print0(f"step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not math.isfinite(losses["val"]):
@@ -249,7 +250,7 @@ def evaluate(state: TrainingState, eval_batches: dict, amp, log: MetricsLog) -> 
 def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt."""
     cfg, run_dir, full_val = state.run.train, state.run_dir, None
-    if state.master and not stop and cfg.full_val:
+    if state.rank == 0 and not stop and cfg.full_val:
         _, _, val_tokens = load_prepared(state.run.data_dir)
         full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp)
         log.record({"step": state.step, "val_loss_full": full_val})
@@ -261,7 +262,7 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
         print0(f"{signal.Signals(stop[0]).name}: saved {path} at step {state.step}; continue with: "
                f"python train.py train.resume={run_dir}")
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
-    if state.master:
+    if state.rank == 0:
         plot_losses(run_dir, run_dir / "loss.png")
         if cfg.sample_tokens > 0:
             tokenizer, device = tokenizer_from_meta(state.run.meta), state.model.wte.weight.device

@@ -28,7 +28,7 @@ from model import GPT
 from model.command_line import exit_on_user_error
 from model.convert import llama_weights
 from model.evaluation import split_loss
-from model.generation import compile_decode_step, for_decoding, load_model, stream
+from model.generation import CompiledDecodeStep, for_decoding, load_model, stream
 from model.run_dir import latest_run
 
 PRECISIONS = {  # name: (dtype, quantize, compile)
@@ -74,7 +74,7 @@ def compare(title: str, hf, load, new: int) -> None:
     print(f"| transformers generate (fp32, KV cache) | {hf_first:.2f} | {new / hf_s:,.0f} | 1.00x / 1.00x |")
     for name, (dtype, quantize, compiled) in PRECISIONS.items():
         model = load(dtype, quantize)
-        step = compile_decode_step(model) if compiled else None
+        step = CompiledDecodeStep(model) if compiled else None
         first = sample_seconds(model, prompt, new, step)
         again = sample_seconds(model, prompt, new, step)
         print(f"| ours, {name} | {first:.2f} | {new / again:,.0f} | "

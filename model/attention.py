@@ -124,7 +124,9 @@ class CausalSelfAttention(Attention):
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
         K/V go to slots `input_pos` (T,) and the queries attend over the whole cache under `attn_mask`
-        (which encodes causality). A layer that makes no K/V attends over `shared_kv`."""
+        (which encodes causality), or without one (a prefill into an empty cache) over the T slots
+        just written, plainly causal: SDPA's fused kernels. A layer that makes no K/V attends over
+        `shared_kv`."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, hd)
@@ -140,7 +142,7 @@ class CausalSelfAttention(Attention):
             if rope is not None:
                 k = apply_rope(k, *rope)
             if kv_cache is not None:
-                k, v = kv_cache.update(self.kv_slot, input_pos, k, v)    # (B, n_kv_head, max_len, hd)
+                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, written_only=attn_mask is None)
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
@@ -186,7 +188,7 @@ class LatentAttention(Attention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent)  # (B, 1, max_len, L + R)
+                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, written_only=attn_mask is None)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

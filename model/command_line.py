@@ -241,19 +241,22 @@ def changed_on_command_line(cfg: DictConfig, overrides: list[str], config_dir) -
 # ----------------------------------------------------------------------------- the recipe
 
 AUTO_RECIPES = {
-    True: ("shakespeare_char", "CUDA is available: nanoGPT's GPU recipe"),
-    False: ("shakespeare_char_cpu_fast", "no CUDA device: the CPU recipe, 1-3 minutes on 2 cores"),
+    "cuda": ("shakespeare_char_gpu", "training on CUDA: the GPU recipe"),
+    "cpu": ("shakespeare_char_cpu_fast", "training on the CPU: the CPU recipe, 1-3 minutes on 2 cores"),
 }
 
 
-def with_default_experiment(argv: list[str]) -> list[str]:
-    """Without experiment=..., the recipe for this machine, said (not when resuming: a resumed
-    run continues with its own config)."""
+def with_default_experiment(argv: list[str], cuda_available: bool | None = None) -> list[str]:
+    """Without experiment=..., the recipe for the device the run trains on, said: train.device's
+    kind when the command line sets it, else CUDA when it is available (not when resuming: a
+    resumed run continues with its own config)."""
     import torch
 
     given = dict(a.lstrip("+").partition("=")[::2] for a in argv)
     if "experiment" in given or given.get("train.resume") not in (None, "", "null"):
         return argv
-    recipe, why = AUTO_RECIPES[torch.cuda.is_available()]
+    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    device = given.get("train.device", "auto").strip("'\"")
+    recipe, why = AUTO_RECIPES["cuda" if device.startswith("cuda") or (device == "auto" and cuda) else "cpu"]
     print(f"recipe: experiment={recipe} ({why}); choose another with experiment=...", flush=True)
     return [*argv, f"experiment={recipe}"]

@@ -1,6 +1,6 @@
 """Where and in what precision a model runs: the device a name picks, the processes of a
 torchrun job (and printing from the first), training's autocast, the precision a model decodes
-in, and a clock that waits for the device."""
+in, a clock that waits for the device, and training throughput (tokens/s, MFU) measured with it."""
 
 import os
 import re
@@ -41,8 +41,11 @@ def print0(message: str) -> None:
 
 
 def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
-    """(rank, world_size, device). Under torchrun: one process group (NCCL on GPU, gloo on CPU),
-    each process on its own GPU. Otherwise (0, 1, device)."""
+    """(rank, world_size, device) of a training process. Under torchrun: one process group (NCCL on
+    GPU, gloo on CPU), each process on its own GPU. Otherwise (0, 1, device). On CUDA, float32
+    matmuls (those bf16 autocast leaves, or all with dtype=float32) run in TF32."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return 0, 1, device
     if device.type == "cuda":
@@ -60,6 +63,15 @@ def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def gather_from_ranks(obj) -> list:
+    """[obj] of every process of a torchrun job, in rank order; [obj] in a single process."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 # On a CPU a decode step reads every weight once per token. Above this many parameters (16 MB in
 # float32, half this CPU's L3) memory bandwidth bounds it and int8 weights pay; below it the
 # per-op overhead does, and bfloat16's conversions cost more than they save (benchmarks/decode.py).
@@ -71,12 +83,15 @@ def decode_precision(device: torch.device, dtype: str = "auto", quantize: str | 
     """(dtype, quantize) to decode a model of n_params parameters in. `auto` picks the fastest
     precision whose val loss stays within 0.01 of float32's (benchmarks/decode.py measures both):
     on a CPU int8 weights with bfloat16 activations from INT8_FROM_PARAMS parameters, float32
-    below; on CUDA bfloat16. dtype=float32 is the exact path: quantize=auto then stays off. int8
-    runs with bfloat16 activations on a CPU (the kernel's vectorised path)."""
+    below; on CUDA bfloat16 (int8 is refused there). dtype=float32 is the exact path: quantize=auto
+    then stays off. int8 runs with bfloat16 activations on a CPU (the kernel's vectorised path)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in (None, "auto", "int8"):
         raise ValueError(f"quantize must be null, auto or int8, got {quantize!r}")
+    if quantize == "int8" and device.type == "cuda":
+        raise ValueError("quantize=int8 is for CPUs: on CUDA PyTorch runs it with a slow reference "
+                         "kernel; use quantize=null (bfloat16 is the default there)")
     if quantize == "auto":
         big = n_params >= INT8_FROM_PARAMS
         quantize = "int8" if device.type == "cpu" and dtype in ("auto", "bfloat16") and big else None
@@ -104,3 +119,39 @@ def synchronized_clock(device: torch.device):
         return time.perf_counter()
 
     return clock
+
+
+class Throughput:
+    """Training tokens/s and MFU (model FLOPs utilisation) over a window of steps. Each reading
+    closes a window and opens the next; the first window opens when the first step (which
+    compiles) ends, and `restart` (after an evaluation) opens a new one, so neither is counted.
+    MFU is per device: the run's tokens/s over world_size devices of peak_flops each."""
+
+    def __init__(self, tokens_per_step: int, device: torch.device, flops_per_token: float = 0.0,
+                 world_size: int = 1, peak_flops: float | None = None):
+        self.tokens_per_step, self.clock = tokens_per_step, synchronized_clock(device)
+        self.flops_per_device = flops_per_token / world_size
+        self.peak_flops = peak_flops
+        self.steps, self.start = None, None  # the first step has not ended
+
+    def restart(self) -> None:
+        """Open a new window now (after an evaluation), or, before the first step, when it ends."""
+        if self.steps is not None:
+            self.steps, self.start = 0, self.clock()
+
+    def step_done(self) -> None:
+        if self.steps is None:
+            self.steps, self.start = 0, self.clock()
+        else:
+            self.steps += 1
+
+    def read(self) -> tuple[float | None, float | None]:
+        """(tokens/s, MFU or None without a peak) since the window opened, or (None, None) before a
+        step of it ended; opens the next window."""
+        if not self.steps:
+            return None, None
+        now = self.clock()
+        tokens_per_s = self.steps * self.tokens_per_step / (now - self.start)
+        self.steps, self.start = 0, now
+        mfu = tokens_per_s * self.flops_per_device / self.peak_flops if self.peak_flops else None
+        return tokens_per_s, mfu

@@ -97,13 +97,14 @@ def left_pad(prompts, device):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-             kv_cache=True, generator=None, vocab_size=None):
+             kv_cache=True, generator=None, vocab_size=None, decode_step=None):
     """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
     prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
     tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy."""
     prompts, pad = left_pad(idx, model.wte.weight.device)
     new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad, vocab_size=vocab_size))
+                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad, vocab_size=vocab_size,
+                      decode_step=decode_step))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
     if isinstance(idx, torch.Tensor):
         return out
@@ -119,9 +120,9 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     Without the cache, each step runs the whole context, cropped to block_size: the reference.
     With it, the prompt is prefilled once and each step feeds one token to a static KVCache.
     When the cache is full, `make_room` refills it, so generation goes on past block_size for
-    learned and RoPE positions alike. `decode_step` (from `compile_decode_step`) replaces the
-    eager one-token step. `vocab_size` limits sampling to the ids below it (a tokenizer's, when
-    the model's vocabulary is padded past it).
+    learned and RoPE positions alike. `decode_step` (a `CompiledDecodeStep`) replaces the
+    eager one-token step, and its static cache the one allocated per call. `vocab_size` limits
+    sampling to the ids below it (a tokenizer's, when the model's vocabulary is padded past it).
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     block_size = model.config.block_size
@@ -131,7 +132,15 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # (B, T + new)
     tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
     length = T
-    cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens)) if kv_cache else None
+    if decode_step is not None and kv_cache and B > decode_step.cache.batch_size:
+        raise ValueError(f"the compiled decode step serves batches of up to {decode_step.cache.batch_size} "
+                         f"rows, got {B}")
+    if not kv_cache:
+        cache = None
+    elif decode_step is not None:
+        cache = decode_step.cache  # static: its first B rows serve this call
+    else:
+        cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens))
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
@@ -187,27 +196,51 @@ def make_room(model, tokens, cache, pad):
     return None if pad is None else n - kept
 
 
-def compile_decode_step(model):
-    """The one-token step compiled once with fixed shapes: the static cache never changes shape
-    and the position comes in as a tensor, so there is one graph (CUDA graphs on GPU)."""
-    on_cuda = model.wte.weight.is_cuda
+def decode_backends(device: torch.device) -> list[SDPBackend]:
+    """The SDPA kernels a compiled decode step may use. On CPU, one query against the cache is
+    faster as SDPA's math formulation (which inductor fuses) than through its flash kernel."""
+    if device.type == "cpu":
+        return [SDPBackend.MATH]
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH]
 
-    def logits_at(token, input_pos, cache, pad):
-        # On CPU, one query against the cache is faster as SDPA's math formulation (which
-        # inductor fuses) than through its flash kernel.
-        with sdpa_kernel(list(SDPBackend) if on_cuda else [SDPBackend.MATH]):
-            return model.logits_at(token, input_pos, cache, pad)
 
-    step = torch.compile(logits_at, mode="reduce-overhead" if on_cuda else None, dynamic=False,
-                         fullgraph=True)
+class CompiledDecodeStep:
+    """The one-token step compiled once for a model, with one static KV cache (block_size slots,
+    batch_size rows) that every `stream` given this step reuses. Nothing the graph reads changes
+    shape or address: the cache, the token, the pad and the position are tensors allocated here and
+    written in place (`stream` fills the rows a smaller batch leaves free; their outputs are
+    dropped). So every prompt length, number of new tokens and batch up to batch_size runs the one
+    graph, and on CUDA it is a CUDA graph: the static buffers are graph inputs that replay in place."""
 
-    def decode_step(token, cache, pad):
-        input_pos = torch.tensor([cache.length], device=token.device)   # (1,)
-        logits = step(token, input_pos, cache, pad)                      # (B, 1, vocab)
+    def __init__(self, model, batch_size: int = 1):
+        device = model.wte.weight.device
+        self.cache = model.new_kv_cache(batch_size)
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
+        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
+        self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
+        for buffer in [*self.cache.buffers, self.token, self.pad, self.input_pos]:
+            torch._dynamo.mark_static_address(buffer)
+        self.on_cuda, backends = device.type == "cuda", decode_backends(device)
+
+        def logits_at(token, input_pos, cache, pad):
+            with sdpa_kernel(backends):
+                return model.logits_at(token, input_pos, cache, pad)
+
+        self.compiled = torch.compile(logits_at, mode="reduce-overhead" if self.on_cuda else None,
+                                      dynamic=False, fullgraph=True)
+
+    def __call__(self, token, cache, pad=None):
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length."""
+        B = token.size(0)
+        self.token[:B] = token
+        self.pad[:B] = 0 if pad is None else pad
+        self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
+        if self.on_cuda:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been read
+        logits = self.compiled(self.token, self.input_pos, cache, self.pad)  # (batch_size, 1, vocab)
         cache.advance(1)
-        return logits[:, -1]
-
-    return decode_step
+        return logits[:B, -1]
 
 
 def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None) -> tuple[float, float]:

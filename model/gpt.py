@@ -169,7 +169,7 @@ class GPT(nn.Module):
             raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
                              f"size {limit}")
         input_pos = torch.arange(start, start + T, device=idx.device)
-        logits = self.logits_at(idx, input_pos, kv_cache, pad)
+        logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_empty=start == 0)
         if kv_cache is not None:
             kv_cache.advance(T)
         if targets is None:
@@ -178,11 +178,12 @@ class GPT(nn.Module):
                                targets.flatten(), ignore_index=-1)       # (B*T,)
         return logits, loss
 
-    def logits_at(self, idx, input_pos, kv_cache=None, pad=None):
+    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_empty=False):
         """Logits for tokens idx (B, T) at cache slots input_pos (T,); touches no Python state,
-        so a decode step built on it compiles to one fixed-shape graph."""
+        so a decode step built on it compiles to one fixed-shape graph. `cache_empty`: the tokens
+        are the first in the cache (no padding), so no mask is needed."""
         attn_mask, positions = None, input_pos                         # (T,)
-        if kv_cache is not None or pad is not None:
+        if pad is not None or (kv_cache is not None and not cache_empty):
             S = kv_cache.max_len if kv_cache is not None else idx.size(1)
             key_slots = torch.arange(S, device=idx.device)
             attn_mask = key_slots <= input_pos[:, None]                   # (T, S): causal by slot

@@ -22,12 +22,19 @@ class KVCache:
         self.batch_size, self.max_len = batch_size, max_len
         self.length = 0
 
-    def update(self, slot, input_pos, k, v=None):
-        """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,); return the slot's K, V."""
-        self.k[slot].index_copy_(2, input_pos, k.to(self.k[slot].dtype))
+    def update(self, slot, input_pos, k, v=None, written_only=False):
+        """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
+        (a batch smaller than the cache uses those); return the slot's K, V for them: every slot, or
+        with `written_only` (a prefill into an empty cache) the first T, so that plain causal
+        attention applies."""
+        B, T = k.shape[0], k.shape[2]
+        keys, values = self.k[slot][:B], self.v[slot][:B]               # (B, n_kv_head, max_len, dim)
+        keys.index_copy_(2, input_pos, k.to(keys.dtype))
         if not self.value_dim_in_keys:
-            self.v[slot].index_copy_(2, input_pos, v.to(self.v[slot].dtype))
-        return self.k[slot], self.v[slot]
+            values.index_copy_(2, input_pos, v.to(values.dtype))
+        if written_only:
+            return keys[:, :, :T], values[:, :, :T]                       # (B, n_kv_head, T, dim)
+        return keys, values
 
     def advance(self, n: int) -> None:
         """Count n more positions as written; callers check for room, so overflowing is a bug."""

@@ -38,6 +38,10 @@ class RunConfig:
     meta: dict                    # their tokenizer
     source: checkpoint.Checkpoint | None = None   # the checkpoint resumed or started from
 
+    def tokens_per_step(self, world_size: int) -> int:
+        """Tokens one optimizer step trains on, over all processes."""
+        return self.train.batch_size * world_size * self.train.grad_accum * self.model.block_size
+
 
 def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunConfig:
     """Every option of a run, checked before any work (the command line checks each job so before
@@ -105,6 +109,9 @@ def check_resumable(ckpt: checkpoint.Checkpoint, model: GPTConfig, train_cfg, op
     if ckpt.optimizer is None:
         raise ValueError(f"{option} holds no training state (a converted checkpoint?): start from it "
                          f"with init_from instead")
+    if "processes" not in (ckpt.rng or {}):
+        raise ValueError(f"{option} was saved by an older kvgpt, without each process's RNG state: "
+                         f"start a new run from it with init_from instead")
     if (saved := optimizer_name(ckpt.optimizer)) != train_cfg.optimizer:
         raise ValueError(f"{option} was trained with train.optimizer={saved}, not {train_cfg.optimizer}: "
                          f"resume with train.optimizer={saved}")

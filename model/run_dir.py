@@ -179,13 +179,15 @@ class MetricsLog:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
-    def training_step(self, step: int, loss: float, lr: float, tokens_per_s: float, mfu=None) -> None:
-        self.record({"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s}
-                    | ({"mfu": mfu} if mfu is not None else {}))
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:,.0f}")
+    def training_step(self, step: int, loss: float, lr: float, tokens_per_s=None, mfu=None) -> None:
+        """A training log line; tokens/s and MFU (Throughput's) where measured."""
+        speed = {k: v for k, v in {"tokens_per_s": tokens_per_s, "mfu": mfu}.items() if v is not None}
+        self.record({"step": step, "loss": loss, "lr": lr} | speed)
+        rate = "" if tokens_per_s is None else f", {tokens_per_s:,.0f} tokens/s"
+        rate += "" if mfu is None else f", MFU {mfu:.1%}"
+        self.bar.set_postfix_str(f"loss={loss:.4f}, lr={lr:.2e}{rate}")
         if self.master and self.bar.disable:
-            print(f"step {step}/{self.max_iters}: loss {loss:.4f}, lr {lr:.2e}, "
-                  f"{tokens_per_s:,.0f} tokens/s", flush=True)
+            print(f"step {step}/{self.max_iters}: loss {loss:.4f}, lr {lr:.2e}{rate}", flush=True)
 
     def close(self) -> None:
         self.bar.close()
@@ -196,10 +198,13 @@ class MetricsLog:
 class StopRequests(list):
     """The signals a run received (SIGINT, SIGTERM), which the loop checks after each step."""
 
-    def on_any_rank(self, device) -> bool:
-        """Whether this process, or under torchrun any process, got one: all stop after the same
-        step, or the others would wait forever for the one that stopped."""
+    def on_any_rank(self, device, step: int, every: int) -> bool:
+        """Whether this process got one; under torchrun, whether any process did, asked after every
+        `every`-th step (it costs an all-reduce and a device sync): all stop after the same step, or
+        the others would wait forever for the one that stopped."""
         if dist.is_initialized():
+            if step % every:
+                return False
             requested = torch.tensor(float(bool(self)), device=device)
             dist.all_reduce(requested)
             if requested.item() and not self:

@@ -6,11 +6,13 @@ state."""
 import argparse
 import dataclasses
 import os
+import random
 import resource
 import subprocess
 import sys
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
@@ -228,8 +230,30 @@ def test_init_from_one_of_our_checkpoints(tmp_path):
 
 
 def test_rng_state_round_trips():
+    cpu = torch.device("cpu")
     checkpoint.seed_rngs(3)
-    state = checkpoint.rng_state()
-    first = torch.rand(3)
-    checkpoint.restore_rng(state)
-    assert torch.equal(torch.rand(3), first)
+    processes = checkpoint.rng_states_of_ranks(cpu)  # one process: its own
+    assert len(processes) == 1 and processes[0]["cuda"] is None
+    first = (torch.rand(3).tolist(), np.random.rand(), random.random())
+    checkpoint.restore_rng(processes, 0, cpu)
+    assert (torch.rand(3).tolist(), np.random.rand(), random.random()) == first
+
+
+def test_each_rank_restores_its_own_rng_state_whatever_the_device_count():
+    """A run saved by 3 processes on 3 GPUs resumes on a CPU with 2 processes and with 4: rank r takes
+    rank r's torch state; the CUDA states are skipped on a CPU; a rank the run did not have keeps
+    its own seed. (CUDA's state goes only to this process's device: torch.cuda.set_rng_state.)"""
+    cpu, processes = torch.device("cpu"), []
+    for rank in range(3):
+        checkpoint.seed_rngs(100 + rank)
+        state = checkpoint.rng_state(cpu)
+        state["cuda"] = torch.zeros(16, dtype=torch.uint8)  # what torch.cuda.get_rng_state gives
+        processes.append(state)
+    draws = []
+    for seed in (100, 101, 102, 7):
+        checkpoint.seed_rngs(seed)
+        draws.append(torch.rand(4))
+    for rank in range(4):
+        checkpoint.seed_rngs(7)  # the fresh seed of a resumed process
+        checkpoint.restore_rng(processes, rank, cpu)
+        assert torch.equal(torch.rand(4), draws[rank]), rank

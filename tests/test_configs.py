@@ -12,7 +12,7 @@ from benchmarks.attention_study import StudyConfig
 from data.prepare import DataConfig
 from generate import GenerateConfig
 from model import GPTConfig
-from model.command_line import config_object
+from model.command_line import config_object, with_default_experiment
 from model.run_config import model_config
 from tests.helpers import ROOT, assert_one_line_error, compose, run_in_process
 from train import TrainConfig
@@ -69,6 +69,29 @@ def test_nanogpt_recipes():
     cpu = compose("experiment=shakespeare_char_cpu")
     assert (cpu.model.n_layer, cpu.model.n_head, cpu.model.n_embd, cpu.model.block_size) == (4, 4, 128, 64)
     assert (cpu.train.batch_size, cpu.train.max_iters, cpu.model.dropout) == (12, 2000, 0.0)
+
+
+def test_the_gpu_recipe_is_nanogpts_model_with_the_speed_levers_and_a_bounded_evaluation():
+    gpu, nanogpt = compose("experiment=shakespeare_char_gpu"), compose("experiment=shakespeare_char")
+    assert gpu.model == nanogpt.model and gpu.train.max_iters == nanogpt.train.max_iters
+    assert (gpu.train.dtype, gpu.train.compile, gpu.data.on_device) == ("auto", "auto", True)
+    evaluated = lambda cfg: cfg.train.max_iters // cfg.train.eval_interval * cfg.train.eval_iters
+    assert evaluated(gpu) * 8 <= evaluated(nanogpt)
+
+
+@pytest.mark.parametrize("argv,cuda,recipe", [
+    ([], True, "shakespeare_char_gpu"),
+    ([], False, "shakespeare_char_cpu_fast"),
+    (["train.device=cpu"], True, "shakespeare_char_cpu_fast"),  # not the GPU recipe run on the CPU
+    (["train.device='cpu'"], True, "shakespeare_char_cpu_fast"),
+    (["train.device=cuda:1"], False, "shakespeare_char_gpu"),    # CUDA asked for: its error comes later
+    (["train.device=auto"], True, "shakespeare_char_gpu"),
+])
+def test_the_default_recipe_follows_the_training_device(argv, cuda, recipe, capsys):
+    assert with_default_experiment(argv, cuda_available=cuda) == [*argv, f"experiment={recipe}"]
+    assert f"recipe: experiment={recipe}" in capsys.readouterr().out
+    assert with_default_experiment(["experiment=shakespeare_char", *argv], cuda) == \
+        ["experiment=shakespeare_char", *argv]  # a recipe typed is kept
 
 
 @pytest.mark.parametrize("override,field", [

@@ -198,3 +198,10 @@ def test_batches(char_data):
     assert not torch.equal(Batches(train, 16, 4, seed=8).next()[0], x)
     with pytest.raises(ValueError, match="^block_size=64 needs more tokens than 10"):
         Batches(train[:10], block_size=64, batch_size=1)
+    # On the device the split is one int32 copy, which other Batches share; windows come out int64.
+    assert a.tokens.dtype == torch.int32 and len(a.tokens) == len(train)
+    shared = Batches(a.tokens, block_size=16, batch_size=4, seed=7)
+    assert shared.tokens is a.tokens and torch.equal(shared.next()[0], x)
+    # The starts a seed draws are the ones torch.randint has always drawn from it: runs stay as they were.
+    starts = torch.randint(len(train) - 16, (4,), generator=torch.Generator().manual_seed(7))
+    assert x[:, 0].tolist() == [int(train[s]) for s in starts]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from model.command_line import naming
-from model.device import autocast, decode_precision, pick_device
+from model.device import Throughput, autocast, decode_precision, pick_device
 
 
 def test_pick_device_names_the_option():
@@ -43,8 +43,45 @@ def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
     assert decode_precision(torch.device(device), dtype, quantize, n_params) == expected
 
 
-@pytest.mark.parametrize("dtype,quantize,message", [("float16", "auto", "dtype must be one of auto"),
-                                                    ("auto", "int4", "quantize must be null, auto or int8")])
-def test_decode_precision_names_the_option(dtype, quantize, message):
+@pytest.mark.parametrize("device,dtype,quantize,message", [
+    ("cpu", "float16", "auto", "dtype must be one of auto"),
+    ("cpu", "auto", "int4", "quantize must be null, auto or int8"),
+    ("cuda", "auto", "int8", "quantize=int8 is for CPUs"),  # PyTorch's reference kernel on CUDA
+])
+def test_decode_precision_names_the_option(device, dtype, quantize, message):
     with pytest.raises(ValueError, match=message):
-        decode_precision(torch.device("cpu"), dtype, quantize)
+        decode_precision(torch.device(device), dtype, quantize)
+
+
+def test_throughput_windows_skip_the_first_step_and_evaluations():
+    speed = Throughput(tokens_per_step=1000, device=torch.device("cpu"))
+    times = iter([10.0, 12.0, 13.0, 20.0, 22.0])
+    speed.clock = lambda: next(times)
+    speed.restart()                              # the evaluation at step 0: no window yet
+    assert speed.read() == (None, None)
+    speed.step_done()                            # the first step (a compile): the window opens at 10
+    assert speed.read() == (None, None)          # no step of it has ended: nothing measured, still open
+    speed.step_done()
+    speed.step_done()
+    assert speed.read() == (1000.0, None)        # 2 steps in 12 - 10 s; MFU needs a peak
+    speed.step_done()
+    assert speed.read() == (1000.0, None)        # 1 step in 13 - 12 s: each reading opens a new window
+    speed.step_done()                            # (before an evaluation: not read, not counted)
+    speed.restart()                              # an evaluation ends at 20
+    speed.step_done()
+    speed.step_done()
+    assert speed.read() == (1000.0, None)        # 2 steps in 22 - 20 s
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+def test_mfu_is_per_device(world_size):
+    """tokens/s counts every process's tokens; each device's share of them against one peak."""
+    speed = Throughput(tokens_per_step=4000 * world_size, device=torch.device("cpu"), flops_per_token=1e9,
+                       world_size=world_size, peak_flops=1e13)
+    times = iter([0.0, 1.0])
+    speed.clock = lambda: next(times)
+    speed.step_done()
+    speed.step_done()
+    tokens_per_s, mfu = speed.read()
+    assert tokens_per_s == 4000 * world_size
+    assert mfu == pytest.approx(4000 * 1e9 / 1e13)  # 40% on each device, whatever their number

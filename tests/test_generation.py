@@ -6,8 +6,16 @@ import random
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend
 
-from model.generation import check_sampling, compile_decode_step, left_pad, load_model, sample_next, stream
+from model.generation import (
+    CompiledDecodeStep,
+    check_sampling,
+    decode_backends,
+    generate,
+    load_model,
+    sample_next,
+)
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
 
 
@@ -138,13 +146,37 @@ def test_sampling_options_name_themselves(option, value, message):
         model.generate(torch.zeros(1, 2, dtype=torch.long), **{"max_new_tokens": 3, option: value})
 
 
-def test_compiled_decode_step_matches_eager(tiny_ckpt):
-    """Prompts of several lengths, past the cache's length (block_size 32), twice."""
+def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
+    """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
+    of new tokens, past block_size (32) too: one graph, never recompiled; the cache's buffers
+    are the same ones throughout; the tokens are the eager step's, greedy and seeded."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # other tests' compiles count toward dynamo's recompile limit
     model, _ = load_model(tiny_ckpt, "cpu")
-    prompts = [[1, 2, 3, 4, 5], list(range(1, 13))]
-    idx, pad = left_pad(prompts, "cpu")
-    eager = list(stream(model, idx, 40, temperature=0, pad=pad))
-    step = compile_decode_step(model)
-    for _ in range(2):  # the cache is allocated per call; the compiled step serves each of them
-        compiled = stream(model, idx, 40, temperature=0, pad=pad, decode_step=step)
-        assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
+    step = CompiledDecodeStep(model, batch_size=3)
+    buffers = [t.data_ptr() for t in step.cache.buffers]
+    graphs = counters["stats"]["unique_graphs"]  # dynamo's count since the process started
+    rng = random.Random(0)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for call in range(10):
+            prompts = [[rng.randrange(1, 60) for _ in range(rng.randint(1, 14))]
+                       for _ in range(rng.randint(1, 3))]
+            new = rng.choice([1, 5, 17, 45])
+            kw = {"temperature": 0} if call % 2 else {"temperature": 0.9, "top_k": 20}
+            eager, compiled = (generate(model, prompts, new, decode_step=decode_step, **kw, generator=[
+                torch.Generator().manual_seed(call + row) for row in range(len(prompts))])
+                for decode_step in (None, step))
+            assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], (call, prompts, new)
+    assert counters["stats"]["unique_graphs"] - graphs == 1
+    assert [t.data_ptr() for t in step.cache.buffers] == buffers
+    with pytest.raises(ValueError, match="serves batches of up to 3 rows, got 4"):
+        generate(model, [[1]] * 4, 2, decode_step=step)
+
+
+def test_the_compiled_steps_backends_are_a_list_on_every_device():
+    """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable)."""
+    for device in ("cpu", "cuda"):
+        backends = decode_backends(torch.device(device))
+        assert backends and all(isinstance(b, SDPBackend) for b in backends)
+    assert decode_backends(torch.device("cuda"))[1] == SDPBackend.FLASH_ATTENTION

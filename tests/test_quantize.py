@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from model import GPT, GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
-from model.generation import compile_decode_step, load_model, stream
+from model.generation import CompiledDecodeStep, load_model, stream
 from model.quantize import Int8Linear, quantize_int8
 from tests.helpers import tiny_model
 
@@ -119,10 +119,11 @@ def test_quantized_models_give_the_logits_of_their_dequantized_weights(config):
 def logits_along(model, tokens, T, kv_cache, decode_step):
     """Logits (B, L - T, vocab) for tokens[:, T:] of tokens (B, L), each from the tokens before
     it, computed the way stream does in that mode: all at once uncached, else a prefill and
-    one-token steps into a cache as long as stream's (so a compiled step is not recompiled)."""
+    one-token steps into a cache (a compiled step's own static one)."""
     if not kv_cache:
         return model(tokens[:, :-1])[:, T - 1:]
-    cache = model.new_kv_cache(tokens.size(0), tokens.size(1))
+    cache = decode_step.cache if decode_step else model.new_kv_cache(tokens.size(0), tokens.size(1))
+    cache.reset()
     logits = [model(tokens[:, :T], kv_cache=cache)[:, -1]]                 # (B, vocab)
     for i in range(T, tokens.size(1) - 1):
         token = tokens[:, i:i + 1]                                          # (B, 1)
@@ -146,7 +147,7 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
             ["float32", "bfloat16"], [None, "int8"], [False, True], [True, False]):
         mode = f"dtype={dtype} quantize={quantize} compile={compile} kv_cache={kv_cache}"
         model, _ = load_model(tmp_path, "cpu", dtype, quantize)
-        decode_step = compile_decode_step(model) if compile and kv_cache else None  # as generate.py
+        decode_step = CompiledDecodeStep(model, len(idx)) if compile and kv_cache else None  # as generate.py
         new = list(stream(model, idx, 10, temperature=0, kv_cache=kv_cache, decode_step=decode_step))
         tokens = torch.cat([idx, torch.stack(new, dim=1)], dim=1)           # (2, 15)
         assert ((0 <= tokens) & (tokens < 65)).all(), mode

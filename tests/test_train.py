@@ -87,7 +87,9 @@ def test_training_writes_the_run_dir(tiny_run, tmp_path):
     full_val = [m for m in metrics if "val_loss_full" in m]  # the whole val split, at the end
     assert [m["step"] for m in full_val] == [12] and full_val[0]["val_loss_full"] == summary["val_loss_full"]
     assert abs(summary["val_loss_full"] - evals[-1]["val_loss"]) < 0.1
-    assert all({"loss", "lr", "tokens_per_s", "elapsed_s"} <= m.keys() for m in metrics if "loss" in m)
+    logged = [m for m in metrics if "loss" in m]
+    assert logged[0]["step"] == 1 and "tokens_per_s" not in logged[0]  # step 1 compiles: not measured
+    assert all({"loss", "lr", "tokens_per_s", "elapsed_s"} <= m.keys() for m in logged[1:])
     assert {"best.pt", "ckpt.pt", "loss.png", "metrics.jsonl"} <= {p.name for p in tmp_path.iterdir()}
     ckpt = checkpoint.load(tmp_path)
     assert ckpt.step == 12 and ckpt.best_val == summary["best_val"]
@@ -376,9 +378,17 @@ def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
     a, b = read_metrics(tmp_path), read_metrics(two_dir)
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
     for x, y in zip(a, b):
-        for key in ("loss", "val_loss", "val_loss_full"):
+        for key in ("loss", "val_loss", "val_loss_full"):  # (each rank evaluated its half)
             if key in x:
                 assert abs(x[key] - y[key]) < 1e-4, (x, y)
+    # Each rank saved its own RNG state, seeded apart (its own dropout masks), and a run saved by
+    # two processes resumes in one.
+    processes = checkpoint.load(two_dir).rng["processes"]
+    assert len(processes) == 2 and not torch.equal(processes[0]["torch"], processes[1]["torch"])
+    resumed = run_in_process("train.py", f"train.resume={two_dir}", "train.max_iters=14",
+                             f"hydra.run.dir={tmp_path / 'resumed'}")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert read_metrics(tmp_path / "resumed")[-1]["step"] == 14
 
 
 @pytest.mark.slow
