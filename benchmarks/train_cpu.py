@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from model import checkpoint
+from model.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "assets" / "tinyshakespeare.txt"
@@ -65,9 +66,9 @@ def run_nanogpt(checkout: Path, tmp: Path) -> dict:
 
 
 def run_ours(overrides: list[str], run_dir: Path) -> dict:
-    wall, _ = timed([sys.executable, "train.py", *overrides, "train.sample_tokens=0",
+    wall, _ = timed([sys.executable, "train.py", *overrides, "train.device=cpu", "train.sample_tokens=0",
                      f"hydra.run.dir={run_dir}"], ROOT)
-    records = checkpoint.read_metrics(run_dir)
+    records = read_metrics(run_dir)
     config = checkpoint.load(run_dir / "ckpt.pt").config
     train, model = config["train"], config["model"]
     tokens_per_step = train["batch_size"] * train["grad_accum"] * model["block_size"]
