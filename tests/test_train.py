@@ -147,6 +147,17 @@ def test_a_resume_that_would_change_the_model_is_refused_however_typed(attention
         checkpoint.load(tmp_path / "a").model_config.kv_share
 
 
+def test_a_checkpoint_without_each_processs_rng_state_is_refused_for_resume(tiny_ckpt, tmp_path):
+    """Checkpoints of kvgpt before per-process RNG states: one line, before any work."""
+    ckpt = checkpoint.load(tiny_ckpt)
+    ckpt.rng = {**ckpt.rng["processes"][0], "cuda": [], "batches": ckpt.rng["batches"]}  # the old layout
+    checkpoint.save(tmp_path / "ckpt.pt", ckpt)
+    with pytest.raises(ValueError, match="saved by an older kvgpt, without each process's RNG state: "
+                                         "start a new run from it with init_from"):
+        train_command_line(tmp_path / "run", f"train.resume={tmp_path}")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_source_trained_with_another_tokenizer_is_refused(tiny_ckpt, tiny_run, tmp_path):
     """init_from (ours, or a Hugging Face GPT-2) and resume with data of another tokenizer: refused
     before training, whatever the vocabulary sizes."""
