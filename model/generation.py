@@ -227,6 +227,10 @@ class CompiledDecodeStep:
             with sdpa_kernel(backends):
                 return model.logits_at(token, input_pos, cache, pad)
 
+        # A code object of its own: dynamo keeps the graphs of one code object together, up to its
+        # recompile limit (8; with fullgraph, the 9th is an error), and every step of another model
+        # shape or batch size would add one to a shared one. Each step has exactly one graph.
+        logits_at.__code__ = logits_at.__code__.replace()
         self.compiled = torch.compile(logits_at, mode="reduce-overhead" if self.on_cuda else None,
                                       dynamic=False, fullgraph=True)
 
