@@ -190,9 +190,8 @@ def train(run: RunConfig, run_dir) -> dict:
         log = MetricsLog(run_dir, run.config, rank == 0, run.source.step if cfg.resume else 0, cfg.max_iters)
         state, model, eval_batches = build(run, run_dir, device, rank, world_size)
         amp, rows = autocast(device, cfg.dtype), slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
-        peak = cfg.peak_tflops * 1e12 if device.type == "cuda" else None  # MFU on GPUs only
-        speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(),
-                           world_size, peak)
+        speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(), world_size,
+                           cfg.peak_tflops * 1e12 if device.type == "cuda" else None)  # MFU on GPUs only
         with stop_requests() as stop:
             while True:
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
@@ -250,6 +249,7 @@ def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: Me
 def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt."""
     cfg, run_dir, full_val = state.run.train, state.run_dir, None
+    stop.on_any_rank(state.device)  # a signal since the loop's last check: every rank agrees
     if state.rank == 0 and not stop and cfg.full_val:
         _, _, val_tokens = load_prepared(state.run.data_dir)
         full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp)

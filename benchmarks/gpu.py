@@ -89,6 +89,8 @@ def train_levers(names: list[str], smoke: bool, out: Path) -> list[dict]:
         argv = [*RECIPE, *LEVERS[name], *(SMOKE_TRAIN if smoke else [])]
         [(cfg, overrides)] = composed_jobs(ROOT / "configs", "train", argv)
         print(f"=== {name}: python train.py {' '.join(argv)}", flush=True)
+        torch.compiler.reset()  # each lever compiles afresh, as its own process would, and none
+        # meets dynamo's recompile limit on GPT.forward, which the levers' models would share
         run = check_options(cfg, overrides)
         result = train(run, run_dir)
         rows.append(lever_row(name, run_dir, run, result))
@@ -179,8 +181,11 @@ def decode_row(name: str, shape: tuple, device: torch.device, dtype) -> dict:
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     # The check runs in float32: in bf16 the paths round differently, and a random model's
     # near-ties may then break either way.
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # not TF32, which training set for this process
     step = CompiledDecodeStep(ours.float())
     identical = same_tokens(ours, step, 20)
+    torch.set_float32_matmul_precision(precision)
     if dtype != torch.float32:
         step = CompiledDecodeStep(ours.to(dtype))
     skipped = counters["inductor"]["cudagraph_skips"]

@@ -45,7 +45,7 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     GPU, gloo on CPU), each process on its own GPU. Otherwise (0, 1, device). On CUDA, float32
     matmuls (those bf16 autocast leaves, or all with dtype=float32) run in TF32."""
     if device.type == "cuda":
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.set_float32_matmul_precision("high")  # (its new-API form breaks inductor's getters)
     if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
         return 0, 1, device
     if device.type == "cuda":

@@ -198,10 +198,10 @@ class MetricsLog:
 class StopRequests(list):
     """The signals a run received (SIGINT, SIGTERM), which the loop checks after each step."""
 
-    def on_any_rank(self, device, step: int, every: int) -> bool:
-        """Whether this process got one; under torchrun, whether any process did, asked after every
-        `every`-th step (it costs an all-reduce and a device sync): all stop after the same step, or
-        the others would wait forever for the one that stopped."""
+    def on_any_rank(self, device, step: int = 0, every: int = 1) -> bool:
+        """Whether this process got one; under torchrun, whether any process did, asked when `step` is
+        a multiple of `every` (it costs an all-reduce and a device sync): all stop after the same
+        step, or the others would wait forever for the one that stopped."""
         if dist.is_initialized():
             if step % every:
                 return False
