@@ -29,6 +29,7 @@ from data.tokenizer import TextStream, tokenizer_from_meta
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, quote_literal_options
 from model.device import DTYPES, check_device, pick_device
 from model.generation import CompiledDecodeStep, check_sampling, left_pad, load_model, stream, timed_stream
+from model.kv_cache import KV_DTYPES
 from model.plots import plot_attention
 from model.run_dir import latest_run
 
@@ -49,6 +50,7 @@ class GenerateConfig:
     stop: str | None = None        # a string that ends a sample
     seed: int = 1337               # sample j of each prompt draws from seed + j
     kv_cache: bool = True
+    kv_dtype: str | None = None    # float32 | bfloat16 | int8 (per-position scales); None: the decode dtype
     compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
     dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.decode_precision)
     quantize: str | None = "auto"  # auto | int8 (weight-only int8 Linear layers) | null
@@ -69,6 +71,8 @@ class GenerateConfig:
                        top_k=self.top_k, top_p=self.top_p)
         if self.dtype not in ("auto", *DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype not in (None, *KV_DTYPES):
+            raise ValueError(f"kv_dtype must be null or one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.quantize not in (None, "auto", "int8"):
             raise ValueError(f"quantize must be null, auto or int8, got {self.quantize!r}")
         check_device(self.device)
@@ -129,9 +133,10 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
         plot_attention(model, ids, labels, cfg.attn_layer, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
-    decode_step = CompiledDecodeStep(model, len(prompts)) if cfg.compile and cfg.kv_cache else None
+    kv_dtype = KV_DTYPES.get(cfg.kv_dtype)
+    decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype) if cfg.compile and cfg.kv_cache else None
     if cfg.benchmark:
-        print_benchmark(model, encoded[0], cfg.max_new_tokens, out, decode_step)
+        print_benchmark(model, encoded[0], cfg.max_new_tokens, out, decode_step, kv_dtype)
         return []
 
     idx, pad = left_pad(encoded, device)
@@ -141,7 +146,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
                   for i in range(len(prompts))]
     tokens = stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
                     top_p=cfg.top_p, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
-                    decode_step=decode_step, vocab_size=tokenizer.vocab_size)
+                    decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype)
     texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
     return [p + t for p, t in zip(prompts, texts)]
 
@@ -180,29 +185,29 @@ def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) 
     return texts
 
 
-def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None) -> None:
+def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None, kv_dtype=None) -> None:
     """Prefill and decode tokens/s with and without the cache, and the cache's size."""
     device = model.wte.weight.device
     idx = torch.tensor([prompt_ids[-model.config.block_size:]], device=device)
     n = max(2, max_new_tokens)
-    timed_stream(model, idx, n, True, decode_step)  # warm-up (and compile) at these shapes
+    timed_stream(model, idx, n, True, decode_step, kv_dtype)  # warm-up (and compile) at these shapes
     rows = []
     for kv_cache in (True, False):
-        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step)
+        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype)
         rows.append((kv_cache, idx.size(1) / prefill_s, (n - 1) / decode_s))
     c = model.config
-    cache = model.new_kv_cache(1)
+    cache = model.new_kv_cache(1, dtype=kv_dtype)
     print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} "
-          f"n_embd={c.n_embd}, {cache.k[0].dtype}, prompt {idx.size(1)} tokens, {n} new tokens, "
+          f"n_embd={c.n_embd}, {model.wte.weight.dtype}, prompt {idx.size(1)} tokens, {n} new tokens, "
           f"batch 1, {device}{', compiled decode step' if decode_step else ''}", file=out)
     print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
     for kv_cache, prefill, decode in rows:
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
-    print(f"KV cache: {cache.bytes_per_token:,} bytes per token "
-          f"({c.kv_cache_formula()} x {cache.k[0].element_size()} bytes), "
-          f"{cache.nbytes / 2**20:.2f} MB at block_size "
-          f"{c.block_size}", file=out)
+    scales = " + one scale per position and K/V head" if cache.quantized else ""
+    print(f"KV cache in {cache.dtype}: {cache.bytes_per_token:,} bytes per token "
+          f"({c.kv_cache_formula()} x {cache.dtype.itemsize} bytes{scales}), {cache.nbytes / 2**20:.2f} MB "
+          f"for a sequence ({cache.max_len} positions{': the window' if cache.ring else ''})", file=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

@@ -13,17 +13,20 @@ import torch.nn.functional as F
 from model.config import GPTConfig
 
 
-def causal_mask(T: int, S: int, device=None) -> torch.Tensor:
-    """(T, S) bool, True where query i (the i-th of the *last* T positions) may see key j."""
-    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+def causal_mask(T: int, S: int, device=None, window: int | None = None) -> torch.Tensor:
+    """(T, S) bool, True where query i (the i-th of the *last* T positions) may see key j: j is at
+    or before i, and with `window` one of the last `window` positions ending at i."""
+    mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
+    return mask if window is None else mask.triu(diagonal=S - T - window + 1)
 
 
-def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="sdpa",
+def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.0, backend="sdpa",
            return_weights=False, scale=None):
     """q (B, n_head, T, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, T, d_v).
 
     The queries are the last T of S positions, so the causal mask is bottom-right aligned (query i
-    sees keys 0 .. S-T+i). `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
+    sees keys 0 .. S-T+i); with `window` (sliding-window attention), only the last `window` of those.
+    `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
     to 1/sqrt(d_k). `return_weights` (naive backend) also returns the weights (B, n_head, T, S).
     """
     B, n_head, T, d_k = q.shape
@@ -37,12 +40,13 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
 
     if backend == "sdpa":
         # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
-        if is_causal and attn_mask is None and T == S:
+        if is_causal and attn_mask is None and T == S and window is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                   scale=scale, enable_gqa=n_kv_head != n_head)
         mask = attn_mask
-        if is_causal and T > 1:  # a single query is the last position: it sees every key
-            mask = causal_mask(T, S, q.device) if mask is None else mask & causal_mask(T, S, q.device)
+        if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
+            causal = causal_mask(T, S, q.device, window)
+            mask = causal if mask is None else mask & causal
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                               scale=scale, enable_gqa=n_kv_head != n_head)
     if backend != "naive":
@@ -55,7 +59,7 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
     scores = qg @ k.unsqueeze(2).transpose(-2, -1) * scale            # (B, n_kv_head, n_rep, T, S)
     scores = scores.view(B, n_head, T, S)                              # (B, n_head, T, S)
     if is_causal:
-        scores = scores.masked_fill(~causal_mask(T, S, q.device), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(T, S, q.device, window), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     weights = F.softmax(scores, dim=-1)
@@ -65,10 +69,12 @@ def attend(q, k, v, *, is_causal=True, attn_mask=None, dropout_p=0.0, backend="s
     return (out, weights) if return_weights else out
 
 
-def rope_cache(block_size: int, head_dim: int, base: float = 10000.0):
-    """cos and sin tables, each (block_size, head_dim // 2), in float32."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(block_size, dtype=torch.float32), inv_freq)
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
+    """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim // 2), in
+    float32. Computed per call, from the positions: no table, so no last position."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                           device=positions.device) / head_dim)   # (head_dim/2,)
+    angles = positions.float()[..., None] * inv_freq                   # (*P, head_dim/2)
     return angles.cos(), angles.sin()
 
 
@@ -94,14 +100,15 @@ class Attention(nn.Module):
         self.makes_kv = layer_idx % config.kv_share == 0
         self.kv_slot = layer_idx // config.kv_share  # the KVCache slot of this layer's group
         self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.backend, self.dropout = config.attn_backend, config.dropout
+        self.backend, self.dropout, self.window = config.attn_backend, config.dropout, config.attn_window
         self.keep_weights = False  # set True to keep the last attention weights in .weights
         self.weights = None
 
     def attend(self, q, k, v, attn_mask, scale=None):
-        """`attend` with this layer's backend and dropout, causal unless given a mask; naive (which can
-        return them) when keeping the weights."""
-        out = attend(q, k, v, is_causal=attn_mask is None, attn_mask=attn_mask,
+        """`attend` with this layer's backend and dropout, causal (within the window) unless given a
+        mask, which then says it all; naive (which can return them) when keeping the weights."""
+        causal = attn_mask is None
+        out = attend(q, k, v, is_causal=causal, window=self.window if causal else None, attn_mask=attn_mask,
                      dropout_p=self.dropout if self.training else 0.0, scale=scale,
                      backend="naive" if self.keep_weights else self.backend, return_weights=self.keep_weights)
         if self.keep_weights:
@@ -121,12 +128,13 @@ class CausalSelfAttention(Attention):
         self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
-    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
+    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
+                cache_empty=False):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
-        K/V go to slots `input_pos` (T,) and the queries attend over the whole cache under `attn_mask`
-        (which encodes causality), or without one (a prefill into an empty cache) over the T slots
-        just written, plainly causal: SDPA's fused kernels. A layer that makes no K/V attends over
-        `shared_kv`."""
+        K/V go to positions `input_pos` (T,) and the queries attend over the whole cache, or with
+        `cache_empty` (a prefill) over the T positions just written. `attn_mask` says which keys
+        each query sees; without one, plainly causal (within the window): SDPA's fused kernels. A
+        layer that makes no K/V attends over `shared_kv`."""
         B, T, C = x.shape
         q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, hd)
@@ -142,7 +150,7 @@ class CausalSelfAttention(Attention):
             if rope is not None:
                 k = apply_rope(k, *rope)
             if kv_cache is not None:
-                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, written_only=attn_mask is None)
+                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, written_only=cache_empty)
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
@@ -173,7 +181,8 @@ class LatentAttention(Attention):
         self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)  # (2 * n_head * hd, L)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None):
+    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
+                cache_empty=False):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""
         B, T, C = x.shape
@@ -188,7 +197,7 @@ class LatentAttention(Attention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, written_only=attn_mask is None)
+                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, written_only=cache_empty)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

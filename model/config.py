@@ -21,6 +21,7 @@ class GPTConfig:
     mla_latent_dim: int | None = None  # set: multi-head latent attention, K/V from a latent this wide
     mla_rope_dim: int = 0  # MLA: width of the decoupled RoPE key shared by all heads
     kv_share: int = 1  # adjacent layers sharing one K/V (cross-layer attention); 1: each its own
+    attn_window: int | None = None  # set: a query sees the last attn_window positions, its own included
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorm, as in GPT-2
@@ -48,6 +49,11 @@ class GPTConfig:
         if self.kv_share > self.n_layer:
             raise ValueError(f"GPTConfig.kv_share must be in 1..n_layer={self.n_layer}, got {self.kv_share}")
         self.check_mla()
+        if self.attn_window is not None:
+            check_int(self, "attn_window", 1)
+            if self.attn_window > self.block_size:
+                raise ValueError(f"GPTConfig.attn_window={self.attn_window} must be <= block_size="
+                                 f"{self.block_size} (null: attend over the whole block)")
         for name, allowed in OPTIONS.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -91,6 +97,12 @@ class GPTConfig:
     def rope_dim(self) -> int:
         """The width RoPE rotates: each head's, or MLA's decoupled RoPE key's."""
         return self.head_dim if self.mla_latent_dim is None else self.mla_rope_dim
+
+    @property
+    def max_positions(self) -> int | None:
+        """How many positions a sequence may have: block_size, or None (no limit) for a sliding
+        window with RoPE, which never sees farther back than its window and has no position table."""
+        return None if self.attn_window is not None and self.pos_emb == "rope" else self.block_size
 
     @property
     def kv_layers(self) -> int:

@@ -33,11 +33,13 @@ def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice =
 
 
 @torch.no_grad()
-def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 64) -> float:
+def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 64, kv_dtype=None) -> float:
     """Mean cross-entropy of predicting every token of `tokens` (1-D) from the ones before it in
     its window: the split is cut into consecutive windows of block_size (the last one shorter),
     so each of its len - 1 targets is predicted exactly once, with 0 .. block_size - 1 tokens of
-    context. The honest number to compare runs by."""
+    context. The honest number to compare runs by. With `kv_dtype`, each window goes through a KV
+    cache that stores in it (torch.int8, ...): teacher-forced, every position attends to the keys
+    and values as that cache holds them, which is what decoding through it computes."""
     if tokens.dim() != 1 or len(tokens) < 2:
         raise ValueError(f"split_loss needs a 1-D split of 2 tokens or more, got {tuple(tokens.shape)}")
     block_size = model.config.block_size
@@ -54,7 +56,8 @@ def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 6
     for i in range(0, n_windows, windows_per_batch):
         xb, yb = x[i:i + windows_per_batch].to(device), y[i:i + windows_per_batch].to(device)
         with amp or nullcontext():
-            logits = model(xb)                                          # (b, block_size, vocab)
+            cache = None if kv_dtype is None else model.new_kv_cache(len(xb), dtype=kv_dtype)
+            logits = model(xb, kv_cache=cache)                          # (b, block_size, vocab)
         total += F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), ignore_index=-1,
                                  reduction="sum").item()
     model.train(was_training)

@@ -97,14 +97,15 @@ def left_pad(prompts, device):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-             kv_cache=True, generator=None, vocab_size=None, decode_step=None):
+             kv_cache=True, generator=None, vocab_size=None, decode_step=None, kv_dtype=None):
     """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
     prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
-    tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy."""
+    tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy. The other options
+    are `stream`'s."""
     prompts, pad = left_pad(idx, model.wte.weight.device)
     new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
                       top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad, vocab_size=vocab_size,
-                      decode_step=decode_step))
+                      decode_step=decode_step, kv_dtype=kv_dtype))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
     if isinstance(idx, torch.Tensor):
         return out
@@ -114,19 +115,25 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-           kv_cache=True, generator=None, pad=None, decode_step=None, vocab_size=None):
+           kv_cache=True, generator=None, pad=None, decode_step=None, vocab_size=None, kv_dtype=None):
     """Yield the next token of every row, (B,), max_new_tokens times.
 
     Without the cache, each step runs the whole context, cropped to block_size: the reference.
-    With it, the prompt is prefilled once and each step feeds one token to a static KVCache.
-    When the cache is full, `make_room` refills it, so generation goes on past block_size for
-    learned and RoPE positions alike. `decode_step` (a `CompiledDecodeStep`) replaces the
-    eager one-token step, and its static cache the one allocated per call. `vocab_size` limits
-    sampling to the ids below it (a tokenizer's, when the model's vocabulary is padded past it).
+    With it, the prompt is prefilled once and each step feeds one token to a static KVCache,
+    stored in `kv_dtype` (torch.float32, bfloat16 or int8; default: the model's dtype). When the
+    cache is full, `make_room` refills it, so generation goes on past block_size for learned and
+    RoPE positions alike. A sliding-window model with RoPE needs neither: its reference is the
+    whole context, and its cache a ring of window slots. `decode_step` (a `CompiledDecodeStep`)
+    replaces the eager one-token step, and its static cache (of its own kv_dtype) the one
+    allocated per call. `vocab_size` limits sampling to the ids below it (a tokenizer's, when the
+    model's vocabulary is padded past it).
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    block_size = model.config.block_size
+    block_size, context_len = model.config.block_size, model.config.max_positions
     B, T = idx.shape
+    if model.config.attn_window is not None and context_len is not None and T + max_new_tokens > block_size:
+        raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed block_size={block_size}: past "
+                         f"it, a sliding-window model (attn_window) needs pos_emb=rope, not learned")
     if isinstance(generator, (list, tuple)) and len(generator) != B:
         raise ValueError(f"generator: a list needs one per row, {B}; got {len(generator)}")
     tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # (B, T + new)
@@ -140,11 +147,11 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     elif decode_step is not None:
         cache = decode_step.cache  # static: its first B rows serve this call
     else:
-        cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens))
+        cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens), dtype=kv_dtype)
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
-    logits, cache_pad = prefill(model, tokens[:, :length], block_size, cache, pad)
+    logits, cache_pad = prefill(model, tokens[:, :length], context_len, cache, pad)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         yield token
@@ -153,18 +160,18 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
         tokens[:, length] = token
         length += 1
         if cache is None:
-            logits, _ = prefill(model, tokens[:, :length], block_size, None, pad)
+            logits, _ = prefill(model, tokens[:, :length], context_len, None, pad)
             continue
-        if cache.length == cache.max_len:
+        if cache.length == cache.max_len and not cache.ring:
             cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad)
         logits = step(token[:, None], cache, cache_pad)
 
 
 def prefill(model, tokens, context_len, cache=None, pad=None):
-    """Run the last context_len of `tokens` (B, length) from scratch, into an emptied cache if one
-    is given: (the logits (B, vocab) after it, the padding (B,) of that context or None)."""
+    """Run the last context_len (None: all) of `tokens` (B, length) from scratch, into an emptied
+    cache if one is given: (the logits (B, vocab) after it, the padding (B,) of that context or None)."""
     length = tokens.size(1)
-    context = tokens[:, max(0, length - context_len):]                   # (B, <= context_len)
+    context = tokens[:, max(0, length - (context_len or length)):]       # (B, <= context_len)
     context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
     if cache is not None:
         cache.reset()
@@ -190,7 +197,7 @@ def make_room(model, tokens, cache, pad):
         cache.keep_last(n)
     if keep:
         rows = full.nonzero().squeeze(1)                                 # (rows,)
-        refill = model.new_kv_cache(len(rows), keep)
+        refill = model.new_kv_cache(len(rows), keep, dtype=cache.dtype)
         model(tokens[rows, -keep:], kv_cache=refill)
         cache.write_rows(rows, n - keep, refill)
     return None if pad is None else n - kept
@@ -206,16 +213,17 @@ def decode_backends(device: torch.device) -> list[SDPBackend]:
 
 
 class CompiledDecodeStep:
-    """The one-token step compiled once for a model, with one static KV cache (block_size slots,
-    batch_size rows) that every `stream` given this step reuses. Nothing the graph reads changes
-    shape or address: the cache, the token, the pad and the position are tensors allocated here and
-    written in place (`stream` fills the rows a smaller batch leaves free; their outputs are
-    dropped). So every prompt length, number of new tokens and batch up to batch_size runs the one
-    graph, and on CUDA it is a CUDA graph: the static buffers are graph inputs that replay in place."""
+    """The one-token step compiled once for a model, with one static KV cache (block_size slots, or
+    a ring of the model's window; batch_size rows; stored in kv_dtype) that every `stream` given
+    this step reuses. Nothing the graph reads changes shape or address: the cache, the token, the
+    pad and the position are tensors allocated here and written in place (`stream` fills the rows a
+    smaller batch leaves free; their outputs are dropped). So every prompt length, number of new
+    tokens and batch up to batch_size runs the one graph, and on CUDA it is a CUDA graph: the
+    static buffers are graph inputs that replay in place."""
 
-    def __init__(self, model, batch_size: int = 1):
+    def __init__(self, model, batch_size: int = 1, kv_dtype=None):
         device = model.wte.weight.device
-        self.cache = model.new_kv_cache(batch_size)
+        self.cache = model.new_kv_cache(batch_size, dtype=kv_dtype)
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
@@ -247,11 +255,13 @@ class CompiledDecodeStep:
         return logits[:B, -1]
 
 
-def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None) -> tuple[float, float]:
+def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,
+                 kv_dtype=None) -> tuple[float, float]:
     """(seconds to the first token, seconds for the rest) of one greedy generation."""
     clock = synchronized_clock(idx.device)
     t0 = clock()
-    tokens = stream(model, idx, max_new_tokens, temperature=0, kv_cache=kv_cache, decode_step=decode_step)
+    tokens = stream(model, idx, max_new_tokens, temperature=0, kv_cache=kv_cache, decode_step=decode_step,
+                    kv_dtype=kv_dtype)
     next(tokens)
     t1 = clock()
     for _ in tokens:

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_cache
+from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles
 from model.config import GPTConfig
 from model.generation import generate
 from model.kv_cache import KVCache
@@ -54,10 +54,6 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
-        if config.pos_emb == "rope":
-            cos, sin = rope_cache(config.block_size, config.rope_dim)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, rope_dim/2)
-            self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config, config.n_embd)
@@ -142,17 +138,22 @@ class GPT(nn.Module):
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
-        """A cache sized for this model, in its dtype and on its device."""
+        """A cache sized for this model, on its device, handing attention its dtype; it stores in
+        `dtype` (by default the model's; torch.int8: one scale per position and K/V head). max_len
+        (default block_size) is the positions the cache must hold; a sliding-window model holds at
+        most its window, in a ring that takes positions without end."""
         c = self.config
         max_len = c.block_size if max_len is None else max_len
         if not 1 <= max_len <= c.block_size:
             raise ValueError(f"max_len={max_len} must be in 1..block_size={c.block_size}")
+        ring = c.attn_window is not None and max_len >= c.attn_window
         weight = self.wte.weight
-        dtype, device = dtype or weight.dtype, weight.device
+        kw = dict(dtype=dtype or weight.dtype, compute_dtype=weight.dtype, ring=ring, device=weight.device)
+        max_len = c.attn_window if ring else max_len
         if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
             return KVCache(c.kv_layers, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
-                           value_dim_in_keys=c.mla_latent_dim, dtype=dtype, device=device)
-        return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
+                           value_dim_in_keys=c.mla_latent_dim, **kw)
+        return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, **kw)
 
     def forward(self, idx, targets=None, *, kv_cache=None, pad=None):
         """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets.
@@ -164,14 +165,18 @@ class GPT(nn.Module):
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
-        limit = self.config.block_size if kv_cache is None else kv_cache.max_len
-        if start + T > limit:
+        limit = self.config.max_positions if kv_cache is None or kv_cache.ring else kv_cache.max_len
+        if limit is not None and start + T > limit:
             raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
                              f"size {limit}")
-        input_pos = torch.arange(start, start + T, device=idx.device)
-        logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_empty=start == 0)
-        if kv_cache is not None:
-            kv_cache.advance(T)
+        if kv_cache is not None and kv_cache.ring and start > 0 and T > 1:
+            # A ring holds one window: the tokens after a prefill go in one at a time.
+            logits = torch.cat([self(idx[:, t:t + 1], kv_cache=kv_cache, pad=pad) for t in range(T)], dim=1)
+        else:
+            input_pos = torch.arange(start, start + T, device=idx.device)
+            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_empty=start == 0)
+            if kv_cache is not None:
+                kv_cache.advance(T)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(),             # (B*T, vocab_size)
@@ -179,19 +184,15 @@ class GPT(nn.Module):
         return logits, loss
 
     def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_empty=False):
-        """Logits for tokens idx (B, T) at cache slots input_pos (T,); touches no Python state,
-        so a decode step built on it compiles to one fixed-shape graph. `cache_empty`: the tokens
-        are the first in the cache (no padding), so no mask is needed."""
+        """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
+        decode step built on it compiles to one fixed-shape graph. `cache_empty`: the tokens are
+        the first in the cache, so they attend over themselves, like tokens without a cache."""
         attn_mask, positions = None, input_pos                         # (T,)
         if pad is not None or (kv_cache is not None and not cache_empty):
-            S = kv_cache.max_len if kv_cache is not None else idx.size(1)
-            key_slots = torch.arange(S, device=idx.device)
-            attn_mask = key_slots <= input_pos[:, None]                   # (T, S): causal by slot
+            fresh = kv_cache is None or cache_empty
+            attn_mask = self.attention_mask(input_pos, input_pos if fresh else kv_cache.positions(input_pos),
+                                            pad)
             if pad is not None:
-                # Real queries never see pad keys; pad queries may, so no row is empty (NaN).
-                is_pad_key = key_slots < pad[:, None, None]              # (B, 1, S)
-                is_pad_query = input_pos[:, None] < pad[:, None, None]   # (B, T, 1)
-                attn_mask = (attn_mask & (~is_pad_key | is_pad_query)).unsqueeze(1)  # (B, 1, T, S)
                 positions = (input_pos - pad[:, None]).clamp(min=0)      # (B, T)
 
         x = self.wte(idx)                                                # (B, T, n_embd)
@@ -199,7 +200,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # (T or B,T, rope_dim/2)
+            cos, sin = rope_angles(positions, self.config.rope_dim)      # (T or B,T, rope_dim/2)
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim/2)
             rope = (cos, sin)
@@ -207,8 +208,22 @@ class GPT(nn.Module):
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
             x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask,
-                          shared_kv=kv)
+                          shared_kv=kv, cache_empty=cache_empty)
         return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
+
+    def attention_mask(self, query_pos, key_pos, pad=None) -> torch.Tensor:
+        """(T, S), or with pad (B,) (B, 1, T, S): True where the query at query_pos (T,) may see the
+        key at key_pos (S,): at or before it, within the window, written (position >= 0), and not
+        a pad unless the query is one too (so no row is empty, NaN)."""
+        distance = query_pos[:, None] - key_pos                          # (T, S)
+        mask = (distance >= 0) & (key_pos >= 0)
+        if self.config.attn_window is not None:
+            mask &= distance < self.config.attn_window
+        if pad is None:
+            return mask
+        is_pad_key = key_pos < pad[:, None, None]                         # (B, 1, S)
+        is_pad_query = query_pos[:, None] < pad[:, None, None]           # (B, T, 1)
+        return (mask & (~is_pad_key | is_pad_query)).unsqueeze(1)        # (B, 1, T, S)
 
     # model.generate(idx, max_new_tokens, ...) is model.generation.generate(model, idx, ...)
     generate = generate

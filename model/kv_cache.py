@@ -1,44 +1,89 @@
-"""A static, preallocated key/value cache: fixed shapes, written in place, never grown."""
+"""A static, preallocated key/value cache: fixed shapes, written in place, never grown. It stores
+in float32, bfloat16 or int8 (one scale per position and head), and for a sliding-window model it
+is a ring of window slots that position p overwrites at slot p % window."""
 
 import torch
+
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache stores
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (int8 (..., D), scale (..., 1) in float32): symmetric absmax, one scale per
+    row, so x ~ int8 * scale with an error of at most scale / 2 per number."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True) / 127                 # (..., 1)
+    q = (x.float() / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-127, 127)
+    return q.to(torch.int8), scale
 
 
 class KVCache:
     """Per slot (one layer, or one group of `GPTConfig.kv_share` layers), K and V of shape
-    (B, n_kv_head, max_len, key_dim). With `value_dim_in_keys=L`, each V is a view of its K's first
-    L columns (MLA caches one latent that serves as both), so only K takes memory. Only the cache
-    moves `length`; slots past it hold stale values the mask hides, so shapes never change and decode
-    can be compiled."""
+    (B, n_kv_head, max_len, key_dim) in `dtype`, handed to attention in `compute_dtype`. With
+    dtype int8, each position of each head has a scale (B, n_kv_head, max_len, 1) in compute_dtype.
+    With `value_dim_in_keys=L`, each V is K's first L columns (MLA caches one latent that serves as
+    both), so only K takes memory. With `ring`, max_len is a sliding window: position p lives in
+    slot p % max_len, and positions never run out. Only the cache moves `length` (the positions
+    written); slots past it hold stale values the mask hides, so shapes never change and decode can
+    be compiled."""
 
     def __init__(self, n_slots, batch_size, n_kv_head, max_len, key_dim, *, value_dim_in_keys=0,
-                 dtype=torch.float32, device=None):
-        shape = (batch_size, n_kv_head, max_len, key_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
-        if value_dim_in_keys:
-            self.v = [k[..., :value_dim_in_keys] for k in self.k]  # views: no memory of their own
-        else:
-            self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
+                 dtype=torch.float32, compute_dtype=None, ring=False, device=None):
+        shape, scale_shape = (batch_size, n_kv_head, max_len, key_dim), (batch_size, n_kv_head, max_len, 1)
+        self.quantized = dtype == torch.int8
+        self.dtype, self.compute_dtype = dtype, compute_dtype or (torch.float32 if self.quantized else dtype)
         self.value_dim_in_keys = value_dim_in_keys
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size, self.max_len, self.ring = batch_size, max_len, ring
+        kv = ["k"] if value_dim_in_keys else ["k", "v"]
+        # The tensors that hold the memory, by name: K, V (unless inside K), and their scales.
+        self.stored = {name: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
+                       for name in kv}
+        if self.quantized:
+            self.stored |= {f"{name}_scale": [torch.zeros(scale_shape, dtype=self.compute_dtype,
+                                                          device=device) for _ in range(n_slots)]
+                            for name in kv}
         self.length = 0
 
     def update(self, slot, input_pos, k, v=None, written_only=False):
         """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
-        (a batch smaller than the cache uses those); return the slot's K, V for them: every slot, or
-        with `written_only` (a prefill into an empty cache) the first T, so that plain causal
-        attention applies."""
-        B, T = k.shape[0], k.shape[2]
-        keys, values = self.k[slot][:B], self.v[slot][:B]               # (B, n_kv_head, max_len, dim)
-        keys.index_copy_(2, input_pos, k.to(keys.dtype))
-        if not self.value_dim_in_keys:
-            values.index_copy_(2, input_pos, v.to(values.dtype))
+        (a batch smaller than the cache uses those). Return the K and V attention reads, as stored
+        (an int8 cache's rounding included) and in compute_dtype: every slot (their positions are
+        `positions(input_pos)`), or with `written_only` (a prefill into an empty cache) the T just
+        written, so that plain causal attention applies. A ring takes one position at a time after
+        its prefill; a prefill longer than the ring leaves it the last max_len positions."""
+        slots = input_pos % self.max_len if self.ring else input_pos           # (T,)
+        keys = self.write(slot, "k", slots, k, written_only)
+        if self.value_dim_in_keys:
+            return keys, keys[..., :self.value_dim_in_keys]
+        return keys, self.write(slot, "v", slots, v, written_only)
+
+    def write(self, slot, name, slots, x, written_only):
+        """Store x (B, heads, T, dim) at `slots`; return what attention reads (see update)."""
+        last = slice(-self.max_len, None)  # all T of a plain cache, the last max_len of a ring
+        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, max_len, dim)
+        scale = scales = None
+        if self.quantized:
+            x, scale = quantize_rows(x)                                        # (B, heads, T, dim), (.., 1)
+            scale = scale.to(self.compute_dtype)
+            scales = self.stored[f"{name}_scale"][slot][:x.size(0)]            # (B, heads, max_len, 1)
+            scales.index_copy_(2, slots[last], scale[:, :, last])
+        else:
+            x = x.to(self.dtype)
+        stored.index_copy_(2, slots[last], x[:, :, last])
         if written_only:
-            return keys[:, :, :T], values[:, :, :T]                       # (B, n_kv_head, T, dim)
-        return keys, values
+            stored, scales = x, scale
+        return stored.to(self.compute_dtype) if scales is None else stored.to(self.compute_dtype) * scales
+
+    def positions(self, input_pos) -> torch.Tensor:
+        """(max_len,) the position each slot holds once input_pos (T,) is written: the slot itself,
+        or in a ring the latest position that falls on it (negative: none has yet)."""
+        slots = torch.arange(self.max_len, device=input_pos.device)
+        if not self.ring:
+            return slots
+        last = input_pos[-1]
+        return last - (last - slots) % self.max_len
 
     def advance(self, n: int) -> None:
         """Count n more positions as written; callers check for room, so overflowing is a bug."""
-        if self.length + n > self.max_len:
+        if not self.ring and self.length + n > self.max_len:
             raise RuntimeError(f"{self.length + n} positions exceed the cache size {self.max_len}")
         self.length += n
 
@@ -59,8 +104,9 @@ class KVCache:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The tensors that hold the cache's memory: every K, and every V that is not a view of its K."""
-        return self.k + ([] if self.value_dim_in_keys else self.v)
+        """The tensors that hold the cache's memory: every K, every V that is not inside its K, and
+        an int8 cache's scales."""
+        return [t for tensors in self.stored.values() for t in tensors]
 
     @property
     def nbytes(self) -> int:
@@ -68,5 +114,6 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one position of one sequence takes across all slots (GPTConfig.kv_cache_formula)."""
+        """Bytes one position of one sequence takes across all slots, scales included
+        (GPTConfig.kv_cache_formula)."""
         return self.nbytes // (self.batch_size * self.max_len)
