@@ -78,3 +78,21 @@ def test_bad_shapes_and_backends_name_the_problem():
         attend(q, torch.randn(1, 1, 5, 6), torch.randn(1, 1, 5, 8))
     with pytest.raises(ValueError, match="v with k's heads and positions"):
         attend(q, torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8))
+
+
+@pytest.mark.parametrize("backend", ["naive", "sdpa"])
+@pytest.mark.parametrize("T,S", [(7, 7), (3, 7), (1, 7)])
+@pytest.mark.parametrize("window", [1, 3, 7])
+def test_a_window_sees_the_last_window_keys_up_to_each_query(backend, T, S, window):
+    """transformers' Mistral `sliding_window`: query i sees keys j with i - window < j <= i."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, T, 8, generator=g)
+    k, v = torch.randn(2, 2, 2, S, 8, generator=g).unbind(0)
+    i = torch.arange(S - T, S)[:, None]                                  # the queries' positions
+    j = torch.arange(S)
+    allowed = (j <= i) & (j > i - window)                                # (T, S)
+    want = attend(q, k, v, is_causal=False, attn_mask=allowed, backend="naive")
+    torch.testing.assert_close(attend(q, k, v, window=window, backend=backend), want, atol=1e-6, rtol=0)
+    if backend == "naive":
+        _, weights = attend(q, k, v, window=window, backend=backend, return_weights=True)
+        assert torch.equal(weights[0, 0] > 0, allowed)

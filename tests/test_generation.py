@@ -31,6 +31,29 @@ def test_greedy_cache_equals_no_cache(attention, pos_emb):
     assert torch.equal(cached[:, :6], idx)
 
 
+@pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 20}],
+                         ids=["greedy", "seeded"])
+def test_a_window_model_generates_past_block_size_cached_as_uncached(attention, sampling):
+    """A sliding window with RoPE: 3x block_size (24) and more, prompts of different lengths
+    batched; the reference recomputes the whole sequence under the window mask at every step."""
+    model = tiny_model(pos_emb="rope", attn_window=6, **attention)
+    prompts = [torch.randint(0, 37, (n,)) for n in (3, 9)]
+    runs = [model.generate(prompts, 3 * 24, kv_cache=kv, **sampling,
+                           generator=[torch.Generator().manual_seed(row) for row in range(2)])
+            for kv in (True, False)]
+    assert [len(t) for t in runs[0]] == [3 + 72, 9 + 72]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_learned_positions_end_generation_with_a_window_at_block_size():
+    model = tiny_model(attn_window=6)
+    assert model.generate(torch.zeros(1, 4, dtype=torch.long), 20, temperature=0).shape == (1, 24)
+    with pytest.raises(ValueError, match=r"exceed block_size=24: past it, a sliding-window model "
+                                         r"\(attn_window\) needs pos_emb=rope"):
+        model.generate(torch.zeros(1, 4, dtype=torch.long), 21, temperature=0)
+
+
 @pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
 def test_seeded_sampling_cache_equals_no_cache(n_kv_head):
     model = tiny_model(n_kv_head=n_kv_head)
@@ -150,7 +173,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
     of new tokens, past block_size (32) too: one graph, never recompiled; the cache's buffers
     are the same ones throughout; the tokens are the eager step's, greedy and seeded. A second
-    step is a second graph, not a recompile."""
+    step (a window model's int8 ring) is a second graph, not a recompile."""
     from torch._dynamo.utils import counters
 
     model, _ = load_model(tiny_ckpt, "cpu")
@@ -168,11 +191,13 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
                 torch.Generator().manual_seed(call + row) for row in range(len(prompts))])
                 for decode_step in (None, step))
             assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], (call, prompts, new)
-        # Another step (here another batch size) is a graph of its own, not a recompile of this one:
+        # Another step (another model and cache) is a graph of its own, not a recompile of this one:
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
-        other = CompiledDecodeStep(model, batch_size=1)
-        assert torch.equal(generate(model, [[1, 2]], 3, temperature=0, decode_step=other)[0],
-                           generate(model, [[1, 2]], 3, temperature=0)[0])
+        # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
+        window = tiny_model(pos_emb="rope", attn_window=6)
+        other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8)
+        assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0],
+                           generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0])
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
     with pytest.raises(ValueError, match="serves batches of up to 3 rows, got 4"):

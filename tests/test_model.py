@@ -159,6 +159,8 @@ def test_cache_overflow_is_an_error():
     (dict(mla_latent_dim=8, mla_rope_dim=3, pos_emb="rope"), "mla_rope_dim"),
     (dict(mla_latent_dim=8, n_kv_head=2), "n_kv_head"),
     (dict(mla_latent_dim=8, qk_norm=True), "qk_norm"),
+    (dict(attn_window=0), "attn_window"),
+    (dict(attn_window=25), "attn_window"),  # more than block_size = 24
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}\b"):

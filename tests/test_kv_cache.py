@@ -1,0 +1,91 @@
+"""model/kv_cache.py: the precision a cache stores in (float32, bfloat16, int8 with one scale per
+position and K/V head), its exact size, and the ring a sliding-window model decodes through."""
+
+import math
+
+import pytest
+import torch
+
+from model import GPT
+from model.kv_cache import quantize_rows
+from tests.helpers import ATTENTION, tiny_config
+
+# What each storage costs against the float32 cache, on the logits of a tiny random model.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-3, torch.int8: 2e-3}
+
+
+def test_int8_rows_round_to_within_half_a_step_of_their_scale():
+    x = torch.randn(3, 2, 5, 16) * torch.logspace(-6, 3, 5)[:, None]     # rows of very different sizes
+    x[0, 0, 0] = 0                                                       # and one of zeros
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.shape == (3, 2, 5, 1)
+    assert (q.abs().amax(-1) == 127).sum() == x[..., 0].numel() - 1      # every non-zero row uses the range
+    assert ((q * scale - x).abs() <= scale / 2 * (1 + 1e-6)).all()
+    assert not q[0, 0, 0].any() and scale[0, 0, 0] == 0
+
+
+@pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache_bytes_are_values_plus_scales_exactly(attention, model_dtype):
+    """Per position: every K and V number in one byte, plus one scale (in the model's dtype) per
+    K/V head for K and for V, or per layer for MLA's latent (its values are inside its keys)."""
+    config = tiny_config(**attention)
+    model = GPT(config).to(model_dtype)
+    cache = model.new_kv_cache(batch_size=3, max_len=10, dtype=torch.int8)
+    layers = math.ceil(config.n_layer / config.kv_share)
+    if config.mla_latent_dim is None:
+        numbers, scales = 2 * config.n_kv_head * config.head_dim, 2 * config.n_kv_head
+    else:
+        numbers, scales = config.mla_latent_dim + config.mla_rope_dim, 1
+    assert cache.bytes_per_token == layers * (numbers + scales * model_dtype.itemsize)
+    assert cache.nbytes == cache.bytes_per_token * 3 * 10
+    full = model.new_kv_cache(batch_size=3, max_len=10, dtype=torch.float32)
+    assert full.bytes_per_token == layers * numbers * 4
+
+
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa_cla2", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_every_cache_dtype_decodes_what_its_teacher_forced_prefill_computes(attention, dtype):
+    """A prefill through a cache attends to the keys and values as the cache holds them, so it
+    computes what decoding one token at a time through it does (this is how the study scores a
+    cache's precision); both are within the storage's rounding of the float32 forward."""
+    model = GPT(tiny_config(pos_emb="rope", **ATTENTION[attention])).eval()
+    idx = torch.randint(0, 37, (2, 20))
+    with torch.no_grad():
+        full = model(idx)
+        prefill = model(idx, kv_cache=model.new_kv_cache(2, dtype=dtype))
+        cache = model.new_kv_cache(2, dtype=dtype)
+        steps = torch.cat([model(idx[:, t:t + 1], kv_cache=cache) for t in range(20)], dim=1)
+    torch.testing.assert_close(steps, prefill, atol=1e-5, rtol=0)
+    error = (prefill - full).abs().max().item()
+    assert error < TOLERANCE[dtype] and (dtype == torch.float32) == (error < 1e-5), error
+
+
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa_cla2", "mla"])
+def test_a_window_model_decodes_through_a_ring_of_window_slots_past_block_size(attention):
+    """3x past block_size (24), one token at a time, after a prefill longer than the window: the
+    logits of the whole sequence recomputed under the window mask, and the cache never more than
+    the window's positions."""
+    model = GPT(tiny_config(pos_emb="rope", attn_window=5, **ATTENTION[attention])).eval()
+    idx = torch.randint(0, 37, (2, 80))
+    cache = model.new_kv_cache(2)
+    assert cache.ring and cache.max_len == 5 and cache.nbytes == cache.bytes_per_token * 2 * 5
+    with torch.no_grad():
+        full = model(idx)
+        steps = [model(idx[:, :9], kv_cache=cache)] + [model(idx[:, t:t + 1], kv_cache=cache)
+                                                       for t in range(9, 80)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+    assert cache.length == 80 and cache.nbytes == cache.bytes_per_token * 2 * 5
+    # A later chunk of several tokens goes in one at a time, to the same logits.
+    cache.reset()
+    with torch.no_grad():
+        chunks = [model(idx[:, :3], kv_cache=cache), model(idx[:, 3:40], kv_cache=cache)]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full[:, :40], atol=1e-5, rtol=0)
+
+
+def test_a_window_cache_shorter_than_the_window_is_a_plain_one():
+    model = GPT(tiny_config(pos_emb="rope", attn_window=8))
+    short, whole = model.new_kv_cache(1, max_len=6), model.new_kv_cache(1)
+    assert (short.ring, short.max_len) == (False, 6) and (whole.ring, whole.max_len) == (True, 8)
+    with pytest.raises(ValueError, match="7 positions exceed the cache size 6"):
+        model(torch.zeros(1, 7, dtype=torch.long), kv_cache=short)
