@@ -1,4 +1,5 @@
-"""The attention study in one command: MHA, GQA, MQA, MLA and MQA with cross-layer sharing.
+"""The attention study in one command: MHA, GQA, MQA, MLA and MQA with cross-layer sharing, each
+also through an int8 KV cache, and with a sliding window.
 
     python benchmarks/attention_study.py                            # CPU default, ~16 minutes on 2 cores
     python benchmarks/attention_study.py experiment=shakespeare_char # the GPU preset
@@ -11,6 +12,13 @@ noise when their mean ± std ranges do not overlap (|difference| > std_a + std_b
 measures KV-cache bytes per token, parameters, training tokens/s, and cached decode tokens/s at
 several batch sizes at a long context (`study.decode_context`). Writes study.md, study.json and
 three PNG plots into the study's run dir (Hydra's output dir).
+
+Two more ways to shrink the cache get rows of their own. Each trained model of `study.int8_cache`
+is scored again through an int8 cache, with no retraining: its whole-val-split loss teacher-forced
+through the cache, against the float32 cache on the same weights. Each variant of `study.window`
+is trained again with a sliding window (`model.attn_window`, a quarter of block_size unless
+`study.window_size`), whose cache holds only the window. So that every row is on one scale, the
+Pareto plot's x-axis is KV bytes per sequence at block_size.
 
 MHA -> GQA/MQA conversion (mean-pooling K/V heads) is measured too: each seed's MHA model is
 converted to `study.uptrain_to` and uptrained for `study.uptrain_iters` steps. There is no
@@ -34,10 +42,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from data.prepare import load_prepared
 from model import GPT
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 from model.convert import convert_checkpoint
 from model.device import pick_device, synchronized_clock
+from model.evaluation import split_loss
 from model.generation import load_model
 from model.plots import pyplot, save_figure
 from model.run_dir import read_metrics
@@ -63,15 +73,21 @@ class StudyConfig:
     uptrain_iters: int = 100  # > 0: also convert each trained MHA model to uptrain_to and uptrain it
     uptrain_to: str = "gqa"
     uptrain_lr: float = 1e-3
+    int8_cache: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa", "mla"])  # those trained
+    window: list[str] = field(default_factory=lambda: ["mha"])  # also trained with a sliding window
+    window_size: int | None = None  # model.attn_window of those; None: a quarter of block_size
 
     def __post_init__(self):
         options = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
-        for name, values in (("variants", self.variants), ("uptrain_to", [self.uptrain_to])):
+        for name, values in (("variants", self.variants), ("uptrain_to", [self.uptrain_to]),
+                             ("int8_cache", self.int8_cache), ("window", self.window)):
             if unknown := [v for v in values if v not in options]:
                 raise ValueError(f"study.{name}: {', '.join(unknown)} is not an option of the attention "
                                  f"group ({', '.join(options)})")
         if not self.variants:
             raise ValueError("study.variants is empty: name at least one attention option")
+        if self.window_size is not None and self.window_size < 1:
+            raise ValueError(f"study.window_size must be >= 1 or null, got {self.window_size}")
         target = attention_option(self.uptrain_to)
         if target["mla_latent_dim"] is not None or target["kv_share"] != 1:
             raise ValueError(f"study.uptrain_to={self.uptrain_to}: mean-pooling converts MHA to fewer "
@@ -91,11 +107,13 @@ class StudyConfig:
 ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)
 
 
-def variant_config(cfg: DictConfig, variant: str, seed: int) -> DictConfig:
+def variant_config(cfg: DictConfig, variant: str, seed: int, windowed: bool = False) -> DictConfig:
     """cfg with the attention group's option `variant` applied, as `attention=<variant>` would,
-    the seed set, and the whole-val-split loss on."""
+    the seed set, and the whole-val-split loss on; `windowed`: with the study's sliding window."""
     out = cfg.copy()
     out.model = OmegaConf.merge(out.model, attention_option(variant))
+    if windowed:
+        out.model.attn_window = cfg.study.window_size or max(1, cfg.model.block_size // 4)
     out.train.seed = seed
     out.train.full_val = True
     return out
@@ -114,16 +132,16 @@ def uptrain_config(cfg: DictConfig, seed: int, converted: Path | None = None) ->
 
 
 @torch.no_grad()
-def decode_tokens_per_s(config, batch_size: int, context: int, device) -> float:
-    """Tokens/s of cached one-token decode steps at the end of a `context`-long cache, for a
-    model of `config`'s shape (random weights: speed does not depend on them). The cache is
-    filled with random keys and values instead of a prefill, which would cost far more than
-    the measurement."""
+def decode_tokens_per_s(config, batch_size: int, context: int, device, kv_dtype=None) -> float:
+    """Tokens/s of cached one-token decode steps at the end of a `context`-long cache (stored in
+    kv_dtype), for a model of `config`'s shape (random weights: speed does not depend on them).
+    The cache is filled with random keys and values instead of a prefill, which would cost far
+    more than the measurement."""
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(config, block_size=context, dropout=0.0)).to(device).eval()
-    cache = model.new_kv_cache(batch_size, context)
+    cache = model.new_kv_cache(batch_size, context, dtype=kv_dtype)
     for t in cache.buffers:
-        t.normal_()
+        t.normal_() if t.is_floating_point() else t.random_(-127, 128)
     cache.advance(context - 2 * DECODE_STEPS)
     token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
     for _ in range(DECODE_STEPS):  # warm-up
@@ -147,22 +165,37 @@ def run_record(run_dir: Path, summary: dict) -> dict:
             "train_tokens_per_s": speeds[len(speeds) // 2]}
 
 
-def summarize(runs: list[dict], run_dir: Path, device, study) -> dict:
-    """One row of the table: the variant's model facts, and its runs' mean and spread."""
+def int8_record(run_dir: Path, run, device) -> dict:
+    """What scoring a trained run through an int8 cache gives the study: the whole-val-split loss
+    of its last weights (ckpt.pt, those of its own score) through an int8 cache and through a
+    float32 one, teacher-forced. Not trained: no curve, no training speed."""
+    model, _ = load_model(run_dir / "ckpt.pt", device, dtype="float32", quantize=None)
+    val = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64"))
+    return {"val_loss": split_loss(model, val, kv_dtype=torch.int8),
+            "float32_cache_loss": split_loss(model, val, kv_dtype=torch.float32),
+            "val_curve": [], "train_tokens_per_s": None}
+
+
+def summarize(runs: list[dict], run_dir: Path, device, study, kv_dtype=None) -> dict:
+    """One row of the table: the variant's model facts, its cache's size (in kv_dtype, default
+    float32), and its runs' mean and spread."""
     model, _ = load_model(run_dir / "best.pt", device, dtype="float32", quantize=None)
-    config = model.config
+    config, cache = model.config, model.new_kv_cache(1, dtype=kv_dtype)
     losses = [r["val_loss"] for r in runs]
+    speeds = [r["train_tokens_per_s"] for r in runs if r["train_tokens_per_s"] is not None]
     return {
         "n_kv_head": config.n_kv_head, "mla_latent_dim": config.mla_latent_dim,
-        "mla_rope_dim": config.mla_rope_dim, "kv_share": config.kv_share,
-        "params": model.num_params(),
-        "kv_formula": config.kv_cache_formula(),
-        "kv_bytes_per_token": model.new_kv_cache(1).bytes_per_token,
+        "mla_rope_dim": config.mla_rope_dim, "kv_share": config.kv_share, "attn_window": config.attn_window,
+        "kv_dtype": str(cache.dtype).removeprefix("torch."), "params": model.num_params(),
+        "kv_formula": config.kv_cache_formula() + (" (int8) + a scale per head" if cache.quantized else ""),
+        "kv_bytes_per_token": cache.bytes_per_token,
+        "kv_bytes_per_sequence": cache.nbytes,  # at block_size: a window model holds its window
         "val_loss_mean": mean(losses), "val_loss_std": stdev(losses) if len(losses) > 1 else 0.0,
         "val_losses": losses, "seeds": list(study.seeds),
+        "float32_cache_losses": [r["float32_cache_loss"] for r in runs if "float32_cache_loss" in r],
         "val_curve": mean_curve([r["val_curve"] for r in runs]),
-        "train_tokens_per_s": mean(r["train_tokens_per_s"] for r in runs),
-        "decode": {b: decode_tokens_per_s(config, b, study.decode_context, device)
+        "train_tokens_per_s": mean(speeds) if speeds else None,
+        "decode": {b: decode_tokens_per_s(config, b, study.decode_context, device, kv_dtype)
                    for b in study.decode_batch_sizes},
     }
 
@@ -188,43 +221,55 @@ def write_table(rows: dict, path: Path, study) -> str:
     head = (f"| variant | KV cache per token | KV bytes/token | params | val loss (whole split, "
             f"{len(study.seeds)} seeds) | vs {names[0]} | beyond seed noise? | "
             + " | ".join(f"decode tok/s, batch {b}" for b in batches) + " | train tok/s |")
-    lines = [head, "|" + " --- |" * (8 + len(batches))]
+    head = head.replace(" | params |", " | KV bytes/sequence | params |")
+    lines = [head, "|" + " --- |" * (9 + len(batches))]
     for name, r in rows.items():
         delta = r["val_loss_mean"] - base["val_loss_mean"]
         noise = "—" if r is base else ("**yes**" if beyond_noise(r, base) else "no")
         decode = " | ".join(f"{r['decode'][b]:,.0f}" for b in batches)
-        lines.append(f"| {name} | {r['kv_formula']} | {r['kv_bytes_per_token']:,} | {r['params']:,} | "
+        train_speed = "—" if r["train_tokens_per_s"] is None else f"{r['train_tokens_per_s']:,.0f}"
+        lines.append(f"| {name} | {r['kv_formula']} | {r['kv_bytes_per_token']:,} | "
+                     f"{r['kv_bytes_per_sequence']:,} | {r['params']:,} | "
                      f"{r['val_loss_mean']:.4f} ± {r['val_loss_std']:.4f} | {delta:+.4f} | {noise} | "
-                     f"{decode} | {r['train_tokens_per_s']:,.0f} |")
+                     f"{decode} | {train_speed} |")
+    costs = {name: [a - b for a, b in zip(r["val_losses"], r["float32_cache_losses"])]
+             for name, r in rows.items() if r["float32_cache_losses"]}
+    precision = [f"- {name}: {mean(c):+.5f} (seeds: {', '.join(f'{d:+.5f}' for d in c)})"
+                 for name, c in costs.items()]
     pairs = [f"- {a} {'<' if rows[a]['val_loss_mean'] < rows[b]['val_loss_mean'] else '>'} {b}: "
              f"{rows[a]['val_loss_mean'] - rows[b]['val_loss_mean']:+.4f}"
              for a, b in combinations(names, 2) if beyond_noise(rows[a], rows[b])]
     text = "\n".join(lines) + (
-        f"\n\nDecode: cached one-token steps at context {study.decode_context}, float32, eager. "
+        f"\n\nDecode: cached one-token steps at context {study.decode_context}, float32 weights, eager, "
+        f"the cache in its row's dtype (float32 unless int8). KV bytes per sequence: one sequence of "
+        f"block_size positions (a window model holds its window). "
         f"A difference is beyond seed noise when the mean ± std ranges do not overlap.\n\n"
         f"Pairs whose val loss differs by more than the seed noise:\n"
-        + ("\n".join(pairs) if pairs else "- none") + "\n")
+        + ("\n".join(pairs) if pairs else "- none") + "\n"
+        + ("\nWhat the int8 cache costs: val loss through it minus through a float32 cache, the same "
+           "weights (each run's last):\n" + "\n".join(precision) + "\n" if precision else ""))
     path.write_text(text)
     return text
 
 
 def pareto_front(rows: dict) -> list[str]:
-    """The rows no other row beats on both KV bytes per token and mean val loss, by bytes."""
+    """The rows no other row beats on both KV bytes per sequence and mean val loss, by bytes."""
     def point(r):
-        return r["kv_bytes_per_token"], r["val_loss_mean"]
+        return r["kv_bytes_per_sequence"], r["val_loss_mean"]
 
     def beats(a, b):  # a is no worse on both axes, and better on one
         return a != b and a[0] <= b[0] and a[1] <= b[1]
 
     front = [n for n, r in rows.items() if not any(beats(point(o), point(r)) for o in rows.values())]
-    return sorted(front, key=lambda n: rows[n]["kv_bytes_per_token"])
+    return sorted(front, key=lambda n: rows[n]["kv_bytes_per_sequence"])
 
 
 def plot(rows: dict, out_dir: Path, study) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, r in rows.items():
-        ax.plot(*zip(*r["val_curve"]), marker="o", label=name)
+        if r["val_curve"]:  # rows scored through another cache were not trained
+            ax.plot(*zip(*r["val_curve"]), marker="o", label=name)
     ax.set(xlabel="step", ylabel=f"val loss (sampled, mean of {len(study.seeds)} seeds)",
            title="Validation loss")
     ax.legend(fontsize=8)
@@ -232,15 +277,15 @@ def plot(rows: dict, out_dir: Path, study) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     front = pareto_front(rows)
-    ax.plot([rows[n]["kv_bytes_per_token"] for n in front], [rows[n]["val_loss_mean"] for n in front],
+    ax.plot([rows[n]["kv_bytes_per_sequence"] for n in front], [rows[n]["val_loss_mean"] for n in front],
             color="0.7", zorder=0, label="Pareto front")
     for name, r in rows.items():
-        ax.errorbar(r["kv_bytes_per_token"], r["val_loss_mean"], yerr=r["val_loss_std"], fmt="o",
+        ax.errorbar(r["kv_bytes_per_sequence"], r["val_loss_mean"], yerr=r["val_loss_std"], fmt="o",
                     capsize=4)
-        ax.annotate(name, (r["kv_bytes_per_token"], r["val_loss_mean"]), xytext=(6, 4),
+        ax.annotate(name, (r["kv_bytes_per_sequence"], r["val_loss_mean"]), xytext=(6, 4),
                     textcoords="offset points", fontsize=8)
     ax.set_xscale("log")
-    ax.set(xlabel="KV cache bytes per token (log scale)",
+    ax.set(xlabel="KV cache bytes per sequence of block_size positions (log scale)",
            ylabel=f"val loss, whole split (mean ± std, {len(study.seeds)} seeds)",
            title="Loss vs KV cache size")
     ax.legend(fontsize=8)
@@ -287,6 +332,8 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
         device = pick_device(cfg.train.device)
     checked = {(variant, seed): check_options(variant_config(cfg, variant, seed))
                for variant in study.variants for seed in study.seeds}
+    windowed = {(variant, seed): check_options(variant_config(cfg, variant, seed, windowed=True))
+                for variant in study.window for seed in study.seeds}
     uptrain = study.uptrain_iters and "mha" in study.variants
     if uptrain:
         for seed in study.seeds:
@@ -295,9 +342,19 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     for variant in study.variants:
         rows[variant] = train_row(f"training {variant}", out_dir / variant,
                                   lambda seed, v=variant: checked[v, seed], device, study)
+    for variant in study.window:
+        name = f"{variant}, window {windowed[variant, study.seeds[0]].model.attn_window}"
+        rows[name] = train_row(f"training {name}", out_dir / f"{variant}_window",
+                               lambda seed, v=variant: windowed[v, seed], device, study)
     if uptrain:
         name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"
         rows[name] = train_row(name, out_dir / "uptrained", partial(uptrained, cfg, out_dir), device, study)
+    for variant in (v for v in study.int8_cache if v in study.variants):
+        print(f"=== {variant}: scoring each seed through an int8 cache ===", flush=True)
+        runs = [int8_record(out_dir / variant / f"seed{seed}", checked[variant, seed], device)
+                for seed in study.seeds]
+        rows[f"{variant}, int8 cache"] = summarize(runs, out_dir / variant / f"seed{study.seeds[-1]}", device,
+                                                   study, kv_dtype=torch.int8)
     table = write_table(rows, out_dir / "study.md", study)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out_dir, study)

@@ -10,7 +10,7 @@ from tests.helpers import compose
 
 
 def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
-    """On the first 40,000 characters of TinyShakespeare: each of the 11 runs ends with a loss
+    """On the first 40,000 characters of TinyShakespeare: each of the 13 runs ends with a loss
     over the whole val split, which for all of it would take most of the test's time."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINYSHAKESPEARE_PATH.read_text()[:40_000])
@@ -22,19 +22,31 @@ def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
     out = tmp_path / "study"
     rows = run_study(cfg, out)
     uptrained = "gqa uptrained from mha (2 steps)"
-    assert list(rows) == ["mha", "gqa", "mqa", "mla", "mqa_cla2", uptrained]
+    assert list(rows) == ["mha", "gqa", "mqa", "mla", "mqa_cla2", "mha, window 8", uptrained,
+                          "mha, int8 cache", "gqa, int8 cache", "mqa, int8 cache", "mla, int8 cache"]
     for name in ("study.md", "study.json", "val_loss.png", "val_vs_kv_bytes.png", "decode_by_batch.png"):
         assert (out / name).stat().st_size > 0, name
     for variant in ("mha", "mla"):
         assert all((out / variant / f"seed{s}" / "best.pt").is_file() for s in (0, 1))
     table = (out / "study.md").read_text()
-    assert table.count("\n| ") == 7 and "| gqa | 2 layers x 2 (K, V) x 2 kv heads x 4 | 128 |" in table
+    assert table.count("\n| ") == 12
+    assert "| gqa | 2 layers x 2 (K, V) x 2 kv heads x 4 | 128 | 4,096 |" in table
     # KV bytes per token (tiny: 2 layers, 4 heads of 4, fp32): MHA 2·2·4·4·4; GQA half; MQA a
     # quarter; MQA + CLA2 an eighth; MLA 2 layers x (64 latent + 16 rope) x 4 bytes.
     kv = {v: rows[v]["kv_bytes_per_token"] for v in rows}
     assert kv["mha"] == 256 and (kv["gqa"], kv["mqa"], kv["mqa_cla2"]) == (128, 64, 32)
     assert kv["mla"] == 2 * (64 + 16) * 4
-    for r in rows.values():
+    # int8: a byte per number, and a float32 scale per position of each K and V head (MLA: per layer).
+    assert kv["mha, int8 cache"] == 256 // 4 + 2 * 2 * 4 * 4 and kv["mla, int8 cache"] == 2 * (80 + 4)
+    # Per sequence of block_size (32) positions; the window model's cache holds its 8.
+    assert rows["mha"]["kv_bytes_per_sequence"] == 256 * 32
+    assert rows["mha, window 8"]["kv_bytes_per_sequence"] == 256 * 8
+    for variant in ("mha", "gqa", "mqa", "mla"):  # no retraining: the same runs, within 0.01 of float32
+        r = rows[f"{variant}, int8 cache"]
+        assert r["float32_cache_losses"] == pytest.approx(rows[variant]["val_losses"], abs=1e-4)
+        assert r["val_losses"] == pytest.approx(r["float32_cache_losses"], abs=0.01)
+        assert r["train_tokens_per_s"] is None and r["val_curve"] == []
+    for r in (r for name, r in rows.items() if "int8" not in name):
         losses = r["val_losses"]
         assert len(losses) == 2 and all(math.isfinite(x) and x > 0 for x in losses)
         assert math.isclose(r["val_loss_mean"], sum(losses) / 2)
@@ -53,9 +65,9 @@ def test_every_variant_is_checked_before_the_first_trains(tiny_run, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def row(mean, std, bytes_per_token=0):
+def row(mean, std, bytes_per_sequence=0):
     return {"val_loss_mean": mean, "val_loss_std": std, "val_losses": [mean - std, mean + std],
-            "kv_bytes_per_token": bytes_per_token}
+            "kv_bytes_per_sequence": bytes_per_sequence}
 
 
 def test_a_difference_counts_only_beyond_the_seeds_spread():
