@@ -46,9 +46,9 @@ from data.prepare import load_prepared
 from model import GPT
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 from model.convert import convert_checkpoint
-from model.device import pick_device, synchronized_clock
+from model.device import pick_device
 from model.evaluation import split_loss
-from model.generation import load_model
+from model.generation import decode_tokens_per_s, load_model
 from model.plots import pyplot, save_figure
 from model.run_dir import read_metrics
 from train import check_options, train
@@ -131,26 +131,13 @@ def uptrain_config(cfg: DictConfig, seed: int, converted: Path | None = None) ->
     return target
 
 
-@torch.no_grad()
-def decode_tokens_per_s(config, batch_size: int, context: int, device, kv_dtype=None) -> float:
-    """Tokens/s of cached one-token decode steps at the end of a `context`-long cache (stored in
-    kv_dtype), for a model of `config`'s shape (random weights: speed does not depend on them).
-    The cache is filled with random keys and values instead of a prefill, which would cost far
-    more than the measurement."""
+def decode_speeds(config, study, device, kv_dtype=None) -> dict:
+    """{batch size: tokens/s} of cached one-token steps at study.decode_context positions, for a
+    model of `config`'s shape with random weights (speed does not depend on them)."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(config, block_size=context, dropout=0.0)).to(device).eval()
-    cache = model.new_kv_cache(batch_size, context, dtype=kv_dtype)
-    for t in cache.buffers:
-        t.normal_() if t.is_floating_point() else t.random_(-127, 128)
-    cache.advance(context - 2 * DECODE_STEPS)
-    token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-    for _ in range(DECODE_STEPS):  # warm-up
-        model(token, kv_cache=cache)
-    clock = synchronized_clock(device)
-    t0 = clock()
-    for _ in range(DECODE_STEPS):
-        model(token, kv_cache=cache)
-    return batch_size * DECODE_STEPS / (clock() - t0)
+    model = GPT(dataclasses.replace(config, block_size=study.decode_context, dropout=0.0)).to(device).eval()
+    return {b: decode_tokens_per_s(model, b, study.decode_context, kv_dtype, DECODE_STEPS)
+            for b in study.decode_batch_sizes}
 
 
 def run_record(run_dir: Path, summary: dict) -> dict:
@@ -195,8 +182,7 @@ def summarize(runs: list[dict], run_dir: Path, device, study, kv_dtype=None) -> 
         "float32_cache_losses": [r["float32_cache_loss"] for r in runs if "float32_cache_loss" in r],
         "val_curve": mean_curve([r["val_curve"] for r in runs]),
         "train_tokens_per_s": mean(speeds) if speeds else None,
-        "decode": {b: decode_tokens_per_s(config, b, study.decode_context, device, kv_dtype)
-                   for b in study.decode_batch_sizes},
+        "decode": decode_speeds(config, study, device, kv_dtype),
     }
 
 

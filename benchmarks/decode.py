@@ -15,6 +15,10 @@ a user waits for (compilation too); "tokens/s" is the steady speed of a repeat. 
 generate.py with no speed flags (dtype=auto quantize=auto), "fastest" adds compile=true.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
+
+3. The KV cache's precision (`--sections kv`): cached one-token steps of the char model's shape
+   at 1024 positions, batch 1 and 64, with the cache in float32, bfloat16 and int8 (float32
+   weights), the three measured in turn, round after round, and each one's median reported.
 """
 
 import argparse
@@ -24,11 +28,12 @@ import time
 import torch
 
 from data.prepare import DataConfig, load_prepared, prepare
-from model import GPT
+from model import GPT, GPTConfig
 from model.command_line import exit_on_user_error
 from model.convert import llama_weights
 from model.evaluation import split_loss
-from model.generation import CompiledDecodeStep, for_decoding, load_model, stream
+from model.generation import CompiledDecodeStep, decode_tokens_per_s, for_decoding, load_model, stream
+from model.kv_cache import KV_DTYPES
 from model.run_dir import latest_run
 
 PRECISIONS = {  # name: (dtype, quantize, compile)
@@ -127,11 +132,32 @@ def main_job(ckpt: str, new: int) -> None:
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
 
 
+def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> None:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=context, n_layer=6, n_head=6, n_embd=384)
+    model = GPT(config).eval()
+    print(f"\n### KV cache precision: the 6/6/384 char shape, {context} cached positions, float32 weights, "
+          f"eager, {torch.get_num_threads()} threads; median of {rounds} interleaved rounds\n")
+    print("| KV cache | bytes per token | " + " | ".join(f"tokens/s, batch {b} | vs float32" for b in batches)
+          + " |\n|" + " --- |" * (2 + 2 * len(batches)))
+    speeds = {(name, b): [] for name in KV_DTYPES for b in batches}
+    for _ in range(rounds):
+        for b in batches:
+            for name, dtype in KV_DTYPES.items():
+                speeds[name, b].append(decode_tokens_per_s(model, b, context, dtype))
+    median = {key: sorted(v)[len(v) // 2] for key, v in speeds.items()}
+    for name, dtype in KV_DTYPES.items():
+        cells = [f"{median[name, b]:,.0f} | {median[name, b] / median['float32', b]:.2f}x" for b in batches]
+        size = model.new_kv_cache(1, dtype=dtype).bytes_per_token
+        print(f"| {name} | {size:,} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
+    p.add_argument("--sections", nargs="+", choices=["char", "main", "kv"], default=["char", "main", "kv"])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -139,8 +165,12 @@ def main() -> None:
 
 
 def run(args) -> None:
-    char_shape(args.new)
-    main_job(args.ckpt or str(latest_run("outputs")), args.new)  # a non-Llama model: one-line error
+    if "char" in args.sections:
+        char_shape(args.new)
+    if "main" in args.sections:
+        main_job(args.ckpt or str(latest_run("outputs")), args.new)  # a non-Llama model: one-line error
+    if "kv" in args.sections:
+        cache_precisions()
 
 
 if __name__ == "__main__":
