@@ -10,7 +10,8 @@ Checkpoints", §2.1: each new key (value) head is the mean of the original heads
 
 And `llama_weights`: a GPT with RoPE, RMSNorm, SwiGLU and no biases (the CPU main job's
 architecture) as a Hugging Face Llama's config and state dict, so that transformers can run the
-very same weights (the decode benchmark compares against it).
+very same weights (the decode benchmark and the parity tests compare against it); with a sliding
+window, `mistral_weights` (a Mistral).
 """
 
 import argparse
@@ -50,16 +51,17 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
     return new_state, new_config
 
 
-def llama_weights(model) -> tuple[dict, dict]:
+def llama_weights(model, family: str = "Llama") -> tuple[dict, dict]:
     """(LlamaConfig keyword arguments, LlamaForCausalLM state dict) holding `model`'s weights.
     Our RoPE rotates the halves (x[:hd/2], x[hd/2:]) as Llama's rotate_half does, so the query
-    and key rows need no permutation; the fused projections are split."""
+    and key rows need no permutation; the fused projections are split. family="Mistral": the
+    same, with a sliding window (see mistral_weights)."""
     c = model.config
     llama = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
-             "mla_latent_dim": None, "kv_share": 1}
+             "mla_latent_dim": None, "kv_share": 1} | ({} if family == "Mistral" else {"attn_window": None})
     for field, value in llama.items():
         if getattr(c, field) != value:
-            raise ValueError(f"a Llama needs model.{field}={'null' if value is None else value}, "
+            raise ValueError(f"a {family} needs model.{field}={'null' if value is None else value}, "
                              f"this model has {getattr(c, field)!r}")
     hidden = model.blocks[0].mlp.proj.in_features
     config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": hidden,
@@ -85,6 +87,15 @@ def llama_weights(model) -> tuple[dict, dict]:
                   layer + "input_layernorm.weight": ours[block + "norm_1.weight"],
                   layer + "post_attention_layernorm.weight": ours[block + "norm_2.weight"]}
     return config, state
+
+
+def mistral_weights(model) -> tuple[dict, dict]:
+    """(MistralConfig keyword arguments, MistralForCausalLM state dict): a Llama with a sliding
+    window. Mistral's `sliding_window` W lets query i see keys i - W < j <= i: our attn_window."""
+    if model.config.attn_window is None:
+        raise ValueError("a Mistral needs model.attn_window (its sliding_window), this model has null")
+    config, state = llama_weights(model, family="Mistral")
+    return config | {"sliding_window": model.config.attn_window}, state
 
 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:

@@ -80,29 +80,39 @@ def test_a_damaged_hugging_face_directory_is_a_value_error_naming_the_file(tmp_p
 
 
 def hf_llama(model):
-    """transformers' Llama holding `model`'s weights (model.convert.llama_weights)."""
-    from model.convert import llama_weights
+    """transformers' Llama, or with a sliding window its Mistral, holding `model`'s weights
+    (model.convert.llama_weights, mistral_weights)."""
+    from model.convert import llama_weights, mistral_weights
 
-    config, state = llama_weights(model)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    hf.load_state_dict(state)
+    family = "Llama" if model.config.attn_window is None else "Mistral"
+    config, state = (llama_weights if family == "Llama" else mistral_weights)(model)
+    hf = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
+    hf.eval().load_state_dict(state)
     return hf
 
 
-@pytest.mark.parametrize("n_kv_head", [4, 2])
-def test_the_main_jobs_architecture_matches_transformers_llama(n_kv_head):
-    ours = tiny_model(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=n_kv_head,
-                      n_embd=32, vocab_size=65)
+LLAMA_LIKE = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "n_embd": 32,
+              "vocab_size": 65}
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no_cache"])
+@pytest.mark.parametrize("variant", [{"n_kv_head": 4}, {"n_kv_head": 2}, {"n_kv_head": 1},
+                                     {"n_kv_head": 2, "attn_window": 5}], ids=["mha", "gqa", "mqa", "window"])
+def test_mha_gqa_mqa_and_a_window_match_transformers_llama_and_mistral(variant, kv_cache):
+    """Llama's num_key_value_heads, Mistral's sliding_window: logits within 1e-4 in float32, and
+    greedy tokens identical to transformers' generate (the window's 3x past block_size, 24)."""
+    ours = tiny_model(**LLAMA_LIKE, **variant)
     hf = hf_llama(ours)
     idx = torch.randint(0, 65, (2, 20))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=1e-5)
-    expected = hf.generate(idx[:1, :5], max_new_tokens=15, min_new_tokens=15, do_sample=False)
-    assert torch.equal(ours.generate(idx[:1, :5], 15, temperature=0), expected)
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+    new = 72 if "attn_window" in variant else 15
+    expected = hf.generate(idx[:1, :5], max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    assert torch.equal(ours.generate(idx[:1, :5], new, temperature=0, kv_cache=kv_cache), expected)
 
 
 def test_llama_export_names_what_a_llama_cannot_hold():
-    from model.convert import llama_weights
+    from model.convert import llama_weights, mistral_weights
 
     with pytest.raises(ValueError, match="model.pos_emb=rope"):
         llama_weights(tiny_model())
@@ -111,3 +121,7 @@ def test_llama_export_names_what_a_llama_cannot_hold():
         llama_weights(tiny_model(mla_latent_dim=8, mla_rope_dim=2, **llama_like))
     with pytest.raises(ValueError, match="model.kv_share=1"):
         llama_weights(tiny_model(kv_share=2, **llama_like))
+    with pytest.raises(ValueError, match="a Llama needs model.attn_window=null"):
+        llama_weights(tiny_model(attn_window=4, **llama_like))
+    with pytest.raises(ValueError, match="a Mistral needs model.attn_window"):
+        mistral_weights(tiny_model(**llama_like))
