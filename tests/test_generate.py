@@ -84,11 +84,13 @@ def test_cli_stop_string(tiny_ckpt):
 
 def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     png = tmp_path / "attn.png"
-    result = generate_cli(f"ckpt={tiny_ckpt}", "benchmark=true", "max_new_tokens=20",
+    result = generate_cli(f"ckpt={tiny_ckpt}", "benchmark=true", "max_new_tokens=20", "kv_dtype=int8",
                           "prompt=ROMEO: hi", f"attn_plot={png}", "attn_layer=1")
     assert result.returncode == 0, result.stderr
     assert "| on |" in result.stdout and "| off |" in result.stdout
-    assert "bytes per token" in result.stdout
+    # tiny: 2 layers x 2 (K, V) x 4 kv heads x 4, in one byte each, and a float32 scale per head
+    assert "KV cache in torch.int8: 128 bytes per token (2 layers x 2 (K, V) x 4 kv heads x 4 x 1 bytes " \
+           "+ one scale per position and K/V head)" in result.stdout
     assert png.stat().st_size > 1000
 
 
@@ -99,6 +101,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["top_k=0"], "top_k must be >= 1"),
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
+    (["kv_dtype=int4"], "kv_dtype must be null or one of float32, bfloat16, int8, got 'int4'"),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
