@@ -227,7 +227,8 @@ class CompiledDecodeStep:
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
-        for buffer in [*self.cache.buffers, self.token, self.pad, self.input_pos]:
+        for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
+                       self.input_pos]:
             torch._dynamo.mark_static_address(buffer)
         self.on_cuda, backends = device.type == "cuda", decode_backends(device)
 

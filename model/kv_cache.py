@@ -23,7 +23,9 @@ class KVCache:
     both), so only K takes memory. With `ring`, max_len is a sliding window: position p lives in
     slot p % max_len, and positions never run out. Only the cache moves `length` (the positions
     written); slots past it hold stale values the mask hides, so shapes never change and decode can
-    be compiled."""
+    be compiled. A cache that stores in another dtype than it computes in also keeps one slot's K
+    and V in compute_dtype (`read_buffer`), where each layer in turn converts what it attends over:
+    writing into memory already allocated is several times faster on a CPU than a fresh tensor."""
 
     def __init__(self, n_slots, batch_size, n_kv_head, max_len, key_dim, *, value_dim_in_keys=0,
                  dtype=torch.float32, compute_dtype=None, ring=False, device=None):
@@ -40,6 +42,8 @@ class KVCache:
             self.stored |= {f"{name}_scale": [torch.zeros(scale_shape, dtype=self.compute_dtype,
                                                           device=device) for _ in range(n_slots)]
                             for name in kv}
+        self.read_buffer = {} if dtype == self.compute_dtype else {
+            name: torch.empty(shape, dtype=self.compute_dtype, device=device) for name in kv}
         self.length = 0
 
     def update(self, slot, input_pos, k, v=None, written_only=False):
@@ -69,8 +73,11 @@ class KVCache:
             x = x.to(self.dtype)
         stored.index_copy_(2, slots[last], x[:, :, last])
         if written_only:
-            stored, scales = x, scale
-        return stored.to(self.compute_dtype) if scales is None else stored.to(self.compute_dtype) * scales
+            return x.to(self.compute_dtype) if scale is None else x.to(self.compute_dtype) * scale
+        if not self.read_buffer:
+            return stored
+        read = self.read_buffer[name][:x.size(0)].copy_(stored)               # (B, heads, max_len, dim)
+        return read if scales is None else read.mul_(scales)
 
     def positions(self, input_pos) -> torch.Tensor:
         """(max_len,) the position each slot holds once input_pos (T,) is written: the slot itself,
