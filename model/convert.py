@@ -11,7 +11,7 @@ Checkpoints", §2.1: each new key (value) head is the mean of the original heads
 And `llama_weights`: a GPT with RoPE, RMSNorm, SwiGLU and no biases (the CPU main job's
 architecture) as a Hugging Face Llama's config and state dict, so that transformers can run the
 very same weights (the decode benchmark and the parity tests compare against it); with a sliding
-window, `mistral_weights` (a Mistral).
+window, `mistral_weights` (a Mistral); with multi-head latent attention, `deepseek_v3_weights`.
 """
 
 import argparse
@@ -51,20 +51,62 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
     return new_state, new_config
 
 
-def llama_weights(model, family: str = "Llama") -> tuple[dict, dict]:
+def llama_weights(model) -> tuple[dict, dict]:
     """(LlamaConfig keyword arguments, LlamaForCausalLM state dict) holding `model`'s weights.
     Our RoPE rotates the halves (x[:hd/2], x[hd/2:]) as Llama's rotate_half does, so the query
-    and key rows need no permutation; the fused projections are split. family="Mistral": the
-    same, with a sliding window (see mistral_weights)."""
+    and key rows need no permutation; the fused projections are split."""
+    return llama_layout(model, "Llama", {"mla_latent_dim": None, "attn_window": None})
+
+
+def mistral_weights(model) -> tuple[dict, dict]:
+    """(MistralConfig keyword arguments, MistralForCausalLM state dict): a Llama with a sliding
+    window. Mistral's `sliding_window` W lets query i see keys i - W < j <= i: our attn_window."""
+    if model.config.attn_window is None:
+        raise ValueError("a Mistral needs model.attn_window (its sliding_window), this model has null")
+    config, state = llama_layout(model, "Mistral", {"mla_latent_dim": None})
+    return config | {"sliding_window": model.config.attn_window}, state
+
+
+def deepseek_v3_weights(model) -> tuple[dict, dict]:
+    """(DeepseekV3Config keyword arguments, DeepseekV3ForCausalLM state dict): our MLA is
+    DeepseekV3's attention without the query's low-rank path (q_lora_rank=None) in every layer
+    dense (no experts). Our `q` is its q_proj, `kv_down` its kv_a_proj_with_mqa ([c, k_r]),
+    `kv_norm` its kv_a_layernorm (fixed eps 1e-6: the model's norm_eps must be 1e-6), and
+    `kv_up` (every head's key rows, then every head's value rows) its kv_b_proj (per head, key
+    rows then value rows). Its RoPE is rotate_half's with rope_interleave=False."""
     c = model.config
-    llama = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
-             "mla_latent_dim": None, "kv_share": 1} | ({} if family == "Mistral" else {"attn_window": None})
-    for field, value in llama.items():
+    if c.mla_latent_dim is None:
+        raise ValueError("a DeepseekV3 needs model.mla_latent_dim (multi-head latent attention), this "
+                         "model has null")
+    config, state = llama_layout(model, "DeepseekV3", {"attn_window": None, "norm_eps": 1e-6})
+    hd, L = c.head_dim, c.mla_latent_dim
+    config |= {"q_lora_rank": None, "kv_lora_rank": L, "qk_rope_head_dim": c.mla_rope_dim,
+               "qk_nope_head_dim": hd, "v_head_dim": hd, "first_k_dense_replace": c.n_layer,
+               "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1,
+               "rope_interleave": False, "head_dim": c.mla_rope_dim}  # head_dim: the width RoPE rotates
+    for i, block in enumerate(model.blocks):
+        attn, layer = block.attn, f"model.layers.{i}.self_attn."
+        w_k, w_v = attn.kv_up.detach().view(2, c.n_head, hd, L)                # (n_head, hd, L) each
+        state |= {layer + "q_proj.weight": attn.q.weight.detach().clone(),
+                  layer + "kv_a_proj_with_mqa.weight": attn.kv_down.weight.detach().clone(),
+                  layer + "kv_a_layernorm.weight": attn.kv_norm.weight.detach().clone(),
+                  layer + "kv_b_proj.weight": torch.cat([w_k, w_v], dim=1).reshape(-1, L)}  # (n_head*2hd, L)
+    return config, state
+
+
+def llama_layout(model, family: str, needs: dict) -> tuple[dict, dict]:
+    """What Llama, Mistral and DeepseekV3 share: the config of a pre-norm RMSNorm/SwiGLU/RoPE
+    decoder and the state of its embeddings, norms, MLPs and head, and for a model with K/V heads
+    (not MLA) its attention too. `needs`: more fields `family` requires of the model."""
+    c = model.config
+    required = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
+                "kv_share": 1} | needs
+    for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a {family} needs model.{field}={'null' if value is None else value}, "
                              f"this model has {getattr(c, field)!r}")
-    hidden = model.blocks[0].mlp.proj.in_features
-    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": hidden,
+    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd,
+              "intermediate_size": model.blocks[0].mlp.proj.in_features,
               "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
               "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
               "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "rope_theta": 10000.0,
@@ -77,25 +119,17 @@ def llama_weights(model, family: str = "Llama") -> tuple[dict, dict]:
              "lm_head.weight": ours["lm_head.weight"]}
     for i in range(c.n_layer):
         block, layer = f"blocks.{i}.", f"model.layers.{i}."
-        q, k, v = ours[block + "attn.qkv.weight"].split([c.n_embd, kv_dim, kv_dim])  # (out, n_embd) each
         gate, up = ours[block + "mlp.fc.weight"].chunk(2)                             # (hidden, n_embd) each
-        state |= {layer + "self_attn.q_proj.weight": q, layer + "self_attn.k_proj.weight": k,
-                  layer + "self_attn.v_proj.weight": v,
-                  layer + "self_attn.o_proj.weight": ours[block + "attn.proj.weight"],
-                  layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
+        state |= {layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
                   layer + "mlp.down_proj.weight": ours[block + "mlp.proj.weight"],
+                  layer + "self_attn.o_proj.weight": ours[block + "attn.proj.weight"],
                   layer + "input_layernorm.weight": ours[block + "norm_1.weight"],
                   layer + "post_attention_layernorm.weight": ours[block + "norm_2.weight"]}
+        if c.mla_latent_dim is None:
+            q, k, v = ours[block + "attn.qkv.weight"].split([c.n_embd, kv_dim, kv_dim])  # (out, n_embd) each
+            state |= {layer + "self_attn.q_proj.weight": q, layer + "self_attn.k_proj.weight": k,
+                      layer + "self_attn.v_proj.weight": v}
     return config, state
-
-
-def mistral_weights(model) -> tuple[dict, dict]:
-    """(MistralConfig keyword arguments, MistralForCausalLM state dict): a Llama with a sliding
-    window. Mistral's `sliding_window` W lets query i see keys i - W < j <= i: our attn_window."""
-    if model.config.attn_window is None:
-        raise ValueError("a Mistral needs model.attn_window (its sliding_window), this model has null")
-    config, state = llama_weights(model, family="Mistral")
-    return config | {"sliding_window": model.config.attn_window}, state
 
 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:

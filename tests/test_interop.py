@@ -79,13 +79,16 @@ def test_a_damaged_hugging_face_directory_is_a_value_error_naming_the_file(tmp_p
         GPT.from_pretrained(tmp_path)
 
 
-def hf_llama(model):
-    """transformers' Llama, or with a sliding window its Mistral, holding `model`'s weights
-    (model.convert.llama_weights, mistral_weights)."""
-    from model.convert import llama_weights, mistral_weights
+def hf_model(model):
+    """transformers' Llama holding `model`'s weights; with a sliding window its Mistral, with
+    multi-head latent attention its DeepseekV3 (model.convert's mappings)."""
+    from model import convert
 
-    family = "Llama" if model.config.attn_window is None else "Mistral"
-    config, state = (llama_weights if family == "Llama" else mistral_weights)(model)
+    c = model.config
+    family = "Llama" if c.attn_window is None and c.mla_latent_dim is None else \
+        "Mistral" if c.mla_latent_dim is None else "DeepseekV3"
+    config, state = getattr(convert, {"Llama": "llama_weights", "Mistral": "mistral_weights",
+                                      "DeepseekV3": "deepseek_v3_weights"}[family])(model)
     hf = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
     hf.eval().load_state_dict(state)
     return hf
@@ -97,12 +100,15 @@ LLAMA_LIKE = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": Fal
 
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no_cache"])
 @pytest.mark.parametrize("variant", [{"n_kv_head": 4}, {"n_kv_head": 2}, {"n_kv_head": 1},
-                                     {"n_kv_head": 2, "attn_window": 5}], ids=["mha", "gqa", "mqa", "window"])
-def test_mha_gqa_mqa_and_a_window_match_transformers_llama_and_mistral(variant, kv_cache):
-    """Llama's num_key_value_heads, Mistral's sliding_window: logits within 1e-4 in float32, and
-    greedy tokens identical to transformers' generate (the window's 3x past block_size, 24)."""
+                                     {"n_kv_head": 2, "attn_window": 5},
+                                     {"mla_latent_dim": 12, "mla_rope_dim": 4, "norm_eps": 1e-6}],
+                         ids=["mha", "gqa", "mqa", "window", "mla"])
+def test_every_variant_matches_transformers_llama_mistral_or_deepseek_v3(variant, kv_cache):
+    """Llama's num_key_value_heads (MHA, GQA, MQA), Mistral's sliding_window, DeepseekV3's MLA:
+    logits within 1e-4 in float32, and greedy tokens identical to transformers' generate (the
+    window's 3x past block_size, 24). With our cache, MLA runs its absorbed form."""
     ours = tiny_model(**LLAMA_LIKE, **variant)
-    hf = hf_llama(ours)
+    hf = hf_model(ours)
     idx = torch.randint(0, 65, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
@@ -112,7 +118,7 @@ def test_mha_gqa_mqa_and_a_window_match_transformers_llama_and_mistral(variant, 
 
 
 def test_llama_export_names_what_a_llama_cannot_hold():
-    from model.convert import llama_weights, mistral_weights
+    from model.convert import deepseek_v3_weights, llama_weights, mistral_weights
 
     with pytest.raises(ValueError, match="model.pos_emb=rope"):
         llama_weights(tiny_model())
@@ -125,3 +131,7 @@ def test_llama_export_names_what_a_llama_cannot_hold():
         llama_weights(tiny_model(attn_window=4, **llama_like))
     with pytest.raises(ValueError, match="a Mistral needs model.attn_window"):
         mistral_weights(tiny_model(**llama_like))
+    with pytest.raises(ValueError, match="a DeepseekV3 needs model.mla_latent_dim"):
+        deepseek_v3_weights(tiny_model(**llama_like))
+    with pytest.raises(ValueError, match="a DeepseekV3 needs model.norm_eps=1e-06"):
+        deepseek_v3_weights(tiny_model(mla_latent_dim=8, mla_rope_dim=2, **llama_like))
