@@ -23,9 +23,8 @@ class KVCache:
     both), so only K takes memory. With `ring`, max_len is a sliding window: position p lives in
     slot p % max_len, and positions never run out. Only the cache moves `length` (the positions
     written); slots past it hold stale values the mask hides, so shapes never change and decode can
-    be compiled. A cache that stores in another dtype than it computes in also keeps one slot's K
-    and V in compute_dtype (`read_buffer`), where each layer in turn converts what it attends over:
-    writing into memory already allocated is several times faster on a CPU than a fresh tensor."""
+    be compiled. Storing in another dtype, it keeps one slot's K and V in compute_dtype too
+    (`read_buffer`), into which each layer converts its own: much faster than a fresh tensor."""
 
     def __init__(self, n_slots, batch_size, n_kv_head, max_len, key_dim, *, value_dim_in_keys=0,
                  dtype=torch.float32, compute_dtype=None, ring=False, device=None):
@@ -35,7 +34,6 @@ class KVCache:
         self.value_dim_in_keys = value_dim_in_keys
         self.batch_size, self.max_len, self.ring = batch_size, max_len, ring
         kv = ["k"] if value_dim_in_keys else ["k", "v"]
-        # The tensors that hold the memory, by name: K, V (unless inside K), and their scales.
         self.stored = {name: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
                        for name in kv}
         if self.quantized:
@@ -49,10 +47,9 @@ class KVCache:
     def update(self, slot, input_pos, k, v=None, written_only=False):
         """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
         (a batch smaller than the cache uses those). Return the K and V attention reads, as stored
-        (an int8 cache's rounding included) and in compute_dtype: every slot (their positions are
-        `positions(input_pos)`), or with `written_only` (a prefill into an empty cache) the T just
-        written, so that plain causal attention applies. A ring takes one position at a time after
-        its prefill; a prefill longer than the ring leaves it the last max_len positions."""
+        and in compute_dtype: every slot (at `positions(input_pos)`), or with `written_only` (a
+        prefill into an empty cache) the T just written. A ring takes one position at a time after
+        its prefill, of which it keeps the last max_len."""
         slots = input_pos % self.max_len if self.ring else input_pos           # (T,)
         keys = self.write(slot, "k", slots, k, written_only)
         if self.value_dim_in_keys:
