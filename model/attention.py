@@ -70,19 +70,22 @@ def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
-    """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim // 2), in
-    float32. Computed per call, from the positions: no table, so no last position."""
+    """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim) in float32, laid
+    out for `apply_rope`: cos over both halves, sin negated over the first. Computed per call, from
+    the positions: no table, so no last position."""
     inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
                                            device=positions.device) / head_dim)   # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq                   # (*P, head_dim/2)
-    return angles.cos(), angles.sin()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (*P, head_dim) each
 
 
 def apply_rope(x, cos, sin):
-    """Rotate x (B, H, T, d) by its positions' angles, pairing x[..., :d/2] with x[..., d/2:];
-    cos and sin are (T, d/2) or (B, 1, T, d/2)."""
-    x1, x2 = x.float().chunk(2, dim=-1)                                # (B, H, T, hd/2) each
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+    """Rotate x (B, H, T, d) by its positions' angles, pairing x[..., :d/2] (x1) with x[..., d/2:] (x2):
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), computed as x cos + (x2, x1) sin in four
+    operations. cos and sin are rope_angles', (T, d) or (B, 1, T, d)."""
+    x32 = x.float()
+    return (x32 * cos + x32.roll(x.size(-1) // 2, dims=-1) * sin).type_as(x)
 
 
 def make_norm(config: GPTConfig, dim: int) -> nn.Module:
@@ -129,28 +132,26 @@ class CausalSelfAttention(Attention):
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cache_empty=False):
+                cache_len=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
-        K/V go to positions `input_pos` (T,) and the queries attend over the whole cache, or with
-        `cache_empty` (a prefill) over the T positions just written. `attn_mask` says which keys
-        each query sees; without one, plainly causal (within the window): SDPA's fused kernels. A
-        layer that makes no K/V attends over `shared_kv`."""
+        K/V go to positions `input_pos` (T,) and the queries attend over the cache's first `cache_len`
+        slots (None: all of them). `attn_mask` says which keys each query sees; without one, plainly
+        causal (within the window): SDPA's fused kernels. A layer that makes no K/V attends over
+        `shared_kv`. The queries and keys are one tensor until RoPE has rotated both in one go."""
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split([C, self.kv_dim, self.kv_dim], dim=-1)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, n_head, T, hd)
+        n_k = self.n_kv_head if self.makes_kv else 0                    # key heads made here
+        qk, v = self.qkv(x).split([C + self.kv_dim, self.kv_dim], dim=-1)
+        qk = qk.view(B, T, self.n_head + n_k, self.head_dim).transpose(1, 2)  # (B, n_head + n_k, T, hd)
         if self.q_norm is not None:
-            q = self.q_norm(q)
+            q, k = qk.split([self.n_head, n_k], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k) if n_k else k], dim=1)
         if rope is not None:
-            q = apply_rope(q, *rope)
+            qk = apply_rope(qk, *rope)
+        q, k = qk.split([self.n_head, n_k], dim=1)                       # (B, n_head, T, hd), (B, n_k, T, hd)
         if self.makes_kv:
-            k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
             v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
-            if self.k_norm is not None:
-                k = self.k_norm(k)
-            if rope is not None:
-                k = apply_rope(k, *rope)
             if kv_cache is not None:
-                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, written_only=cache_empty)
+                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, read=cache_len)
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
@@ -182,7 +183,7 @@ class LatentAttention(Attention):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cache_empty=False):
+                cache_len=None):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""
         B, T, C = x.shape
@@ -197,7 +198,7 @@ class LatentAttention(Attention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, written_only=cache_empty)
+                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, read=cache_len)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

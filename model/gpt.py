@@ -174,7 +174,10 @@ class GPT(nn.Module):
             logits = torch.cat([self(idx[:, t:t + 1], kv_cache=kv_cache, pad=pad) for t in range(T)], dim=1)
         else:
             input_pos = torch.arange(start, start + T, device=idx.device)
-            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_empty=start == 0)
+            # Attention reads the positions written so far, which need no mask: a ring past its
+            # prefill holds them out of order, so it reads every slot, by position.
+            cache_len = None if kv_cache is not None and kv_cache.ring and start > 0 else start + T
+            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_len)
             if kv_cache is not None:
                 kv_cache.advance(T)
         if targets is None:
@@ -183,15 +186,17 @@ class GPT(nn.Module):
                                targets.flatten(), ignore_index=-1)       # (B*T,)
         return logits, loss
 
-    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_empty=False):
+    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
-        decode step built on it compiles to one fixed-shape graph. `cache_empty`: the tokens are
-        the first in the cache, so they attend over themselves, like tokens without a cache."""
+        decode step built on it compiles to one fixed-shape graph. Attention reads the cache's first
+        `cache_len` slots (positions 0 .. cache_len - 1), or with None every slot, masked by the
+        position it holds (the compiled step's fixed shape)."""
         attn_mask, positions = None, input_pos                         # (T,)
-        if pad is not None or (kv_cache is not None and not cache_empty):
-            fresh = kv_cache is None or cache_empty
-            attn_mask = self.attention_mask(input_pos, input_pos if fresh else kv_cache.positions(input_pos),
-                                            pad)
+        every_slot = kv_cache is not None and cache_len is None
+        if pad is not None or every_slot:
+            key_pos = kv_cache.positions(input_pos) if every_slot else torch.arange(
+                input_pos.size(0) if kv_cache is None else cache_len, device=idx.device)  # (S,)
+            attn_mask = self.attention_mask(input_pos, key_pos, pad)
             if pad is not None:
                 positions = (input_pos - pad[:, None]).clamp(min=0)      # (B, T)
 
@@ -200,15 +205,15 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         else:
-            cos, sin = rope_angles(positions, self.config.rope_dim)      # (T or B,T, rope_dim/2)
+            cos, sin = rope_angles(positions, self.config.rope_dim)      # (T or B,T, rope_dim)
             if positions.dim() == 2:
-                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim/2)
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim)
             rope = (cos, sin)
         x = self.drop(x)
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
             x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask,
-                          shared_kv=kv, cache_empty=cache_empty)
+                          shared_kv=kv, cache_len=cache_len)
         return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
 
     def attention_mask(self, query_pos, key_pos, pad=None) -> torch.Tensor:

@@ -44,19 +44,20 @@ class KVCache:
             name: torch.empty(shape, dtype=self.compute_dtype, device=device) for name in kv}
         self.length = 0
 
-    def update(self, slot, input_pos, k, v=None, written_only=False):
+    def update(self, slot, input_pos, k, v=None, read=None):
         """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
         (a batch smaller than the cache uses those). Return the K and V attention reads, as stored
-        and in compute_dtype: every slot (at `positions(input_pos)`), or with `written_only` (a
-        prefill into an empty cache) the T just written. A ring takes one position at a time after
-        its prefill, of which it keeps the last max_len."""
+        and in compute_dtype: every slot (at `positions(input_pos)`), or the first `read` slots
+        (positions 0 .. read - 1), or when those are just the T written (a prefill) the T as written,
+        which a ring longer than its window keeps only the last max_len of. A ring takes one position
+        at a time after its prefill."""
         slots = input_pos % self.max_len if self.ring else input_pos           # (T,)
-        keys = self.write(slot, "k", slots, k, written_only)
+        keys = self.write(slot, "k", slots, k, read)
         if self.value_dim_in_keys:
             return keys, keys[..., :self.value_dim_in_keys]
-        return keys, self.write(slot, "v", slots, v, written_only)
+        return keys, self.write(slot, "v", slots, v, read)
 
-    def write(self, slot, name, slots, x, written_only):
+    def write(self, slot, name, slots, x, read):
         """Store x (B, heads, T, dim) at `slots`; return what attention reads (see update)."""
         last = slice(-self.max_len, None)  # all T of a plain cache, the last max_len of a ring
         stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, max_len, dim)
@@ -69,12 +70,13 @@ class KVCache:
         else:
             x = x.to(self.dtype)
         stored.index_copy_(2, slots[last], x[:, :, last])
-        if written_only:
+        if read == x.size(2):
             return x.to(self.compute_dtype) if scale is None else x.to(self.compute_dtype) * scale
+        stored = stored[:, :, :read]                                           # (B, heads, read, dim)
         if not self.read_buffer:
             return stored
-        read = self.read_buffer[name][:x.size(0)].copy_(stored)               # (B, heads, max_len, dim)
-        return read if scales is None else read.mul_(scales)
+        buffer = self.read_buffer[name][:x.size(0), :, :read].copy_(stored)    # (B, heads, read, dim)
+        return buffer if scales is None else buffer.mul_(scales[:, :, :read])
 
     def positions(self, input_pos) -> torch.Tensor:
         """(max_len,) the position each slot holds once input_pos (T,) is written: the slot itself,

@@ -126,6 +126,30 @@ def test_a_list_of_equal_length_prompts_gives_a_list():
     assert torch.equal(torch.stack(out), model.generate(torch.tensor([[1, 2], [3, 4]]), 3, temperature=0))
 
 
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_step_reading_the_written_slots_equals_one_reading_every_slot_masked(attention, dtype):
+    """Eager steps attend over the positions written so far (no mask); the compiled step, whose
+    shapes never change, over every slot with a mask. One computation."""
+    model = tiny_model(pos_emb="rope", **ATTENTION[attention])
+    cache = model.new_kv_cache(2, dtype=dtype)
+    with torch.no_grad():
+        model(torch.randint(0, 37, (2, 5)), kv_cache=cache)
+        token, input_pos = torch.randint(0, 37, (2, 1)), torch.tensor([5])
+        written = model.logits_at(token, input_pos, cache, cache_len=6)
+        every_slot = model.logits_at(token, input_pos, cache, cache_len=None)
+    torch.testing.assert_close(written, every_slot, atol=1e-6, rtol=0)
+
+
+def test_streamed_tokens_are_plain_tensors_a_model_can_train_on():
+    """The model decodes in inference mode; the tokens it yields are sampled outside it."""
+    model = tiny_model()
+    tokens = model.generate(torch.zeros(1, 1, dtype=torch.long), 8)
+    assert not tokens.is_inference()
+    model(tokens[:, :-1], tokens[:, 1:])[1].backward()  # an inference tensor could not be saved for it
+    assert model.wte.weight.grad is not None
+
+
 def test_top_k_one_is_greedy():
     logits = torch.randn(5, 37)
     g = torch.Generator().manual_seed(0)
