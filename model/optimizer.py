@@ -5,6 +5,8 @@
            2-D weight matrices inside the blocks, AdamW on the rest: embeddings, the head, norms
            and biases (modded-nanogpt's split). Muon's step is scaled to AdamW's update size
            (adjust_lr_fn="match_rms_adamw"), so both take the one learning rate of the schedule.
+           On a CPU without bfloat16 matrix instructions (AVX512-BF16), `Float32Muon`: the same step
+           with Newton-Schulz in float32, which such a CPU runs far faster than emulated bfloat16.
 
 Both are one object with `param_groups`, `step`, `zero_grad` and `state_dict`, so the training
 loop and checkpoints treat them alike.
@@ -12,6 +14,7 @@ loop and checkpoints treat them alike.
 
 import torch
 import torch.nn as nn
+from torch.optim._muon import _adjust_lr
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -30,9 +33,47 @@ def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[flo
                               lr=lr, betas=betas, fused=fused)
     if not on_muon:
         return adamw
-    muon = torch.optim.Muon([params[n] for n in on_muon], lr=lr, weight_decay=weight_decay,
-                            momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    emulates_bf16 = params[on_muon[0]].device.type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
+    muon = (Float32Muon if emulates_bf16 else torch.optim.Muon)([params[n] for n in on_muon], lr=lr,
+                                                                weight_decay=weight_decay, momentum=0.95,
+                                                                adjust_lr_fn="match_rms_adamw")
     return MuonAndAdamW(muon, adamw)
+
+
+class Float32Muon(torch.optim.Muon):
+    """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration in float32. PyTorch's runs it
+    in bfloat16, which a CPU without bf16 matrix instructions emulates: a training step of the CPU
+    main job took 8x AdamW's on such a CPU (AVX2; benchmarks/RESULTS.md). On a CPU with them
+    (AVX512-BF16) bfloat16 is as fast as float32, and PyTorch's own Muon is used. Same
+    hyperparameters, state ("momentum_buffer") and update; only the iteration's precision differs
+    (PyTorch has no option for it)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - group["momentum"])
+                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+
+
+def newton_schulz(grad, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon's, in float32: grad (A, B) ->
+    an approximately orthogonal matrix (A, B) with its singular vectors."""
+    a, b, c = coefficients
+    x = grad.float()
+    if grad.size(0) > grad.size(1):
+        x = x.T                                                          # (min, max): the smaller Gram
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T                                                   # (min, min)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.T if grad.size(0) > grad.size(1) else x).to(grad.dtype)
 
 
 class MuonAndAdamW:

@@ -1,11 +1,11 @@
-"""model/optimizer.py: which parameters Muon and AdamW each get, and train.optimizer=muon trains,
-checkpoints and resumes bit-identically, as AdamW does."""
+"""model/optimizer.py: which parameters Muon and AdamW each get, Float32Muon's step is PyTorch's Muon
+step in float32, and train.optimizer=muon trains, checkpoints and resumes bit-identically, as AdamW does."""
 
 import pytest
 import torch
 
 from model import checkpoint
-from model.optimizer import MuonAndAdamW, configure_optimizer
+from model.optimizer import Float32Muon, MuonAndAdamW, configure_optimizer, newton_schulz
 from tests.helpers import compose, read_metrics, step_losses, tiny_model, train_checked
 
 
@@ -13,6 +13,9 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     model = tiny_model(bias=True, norm="layernorm")
     optimizer = configure_optimizer(model, "muon", lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     assert isinstance(optimizer, MuonAndAdamW)
+    # float32 Newton-Schulz on a CPU that would emulate bfloat16 matrix products
+    emulated = not torch.cpu._is_avx512_bf16_supported()
+    assert isinstance(optimizer.optimizers["muon"], Float32Muon) == emulated
     names = {id(p): n for n, p in model.named_parameters()}
     on_muon = {names[id(p)] for g in optimizer.optimizers["muon"].param_groups for p in g["params"]}
     on_adamw = {names[id(p)] for g in optimizer.optimizers["adamw"].param_groups for p in g["params"]}
@@ -24,6 +27,37 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert len(optimizer.param_groups) == 3
     decayed = [g["weight_decay"] for g in optimizer.optimizers["adamw"].param_groups]
     assert decayed == [0.1, 0.0]  # AdamW decays the embeddings, not norms and biases
+
+
+@pytest.mark.parametrize("shape", [(48, 16), (16, 48), (24, 24)])
+def test_float32_muon_steps_as_torch_muon_up_to_its_bfloat16_rounding(shape):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for _ in range(2)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours, theirs = Float32Muon(params, **kw), torch.optim.Muon(copies, **kw)
+    for _ in range(3):
+        grads = [torch.randn(shape) for _ in params]
+        for p, c, g in zip(params, copies, grads):
+            p.grad, c.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, c in zip(params, copies):
+        assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[c]["momentum_buffer"])
+        step = kw["lr"] * 0.2 * max(shape) ** 0.5  # the update's size, per step
+        assert 0 < (p - c).abs().max() < 0.05 * step  # float32 against bfloat16 Newton-Schulz
+    assert ours.state_dict()["param_groups"] == theirs.state_dict()["param_groups"]
+
+
+def test_newton_schulz_in_float32_orthogonalises():
+    g = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
+    x = newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    in_g_basis = u.T @ x @ vh.T                                          # (32, 32): diagonal if x = U S' V^T
+    diagonal = in_g_basis.diagonal()
+    assert x.dtype == torch.float32 and x.shape == g.shape
+    assert 0.5 < diagonal.min() and diagonal.max() < 1.5  # Muon's quintic: near 1, not exactly
+    assert (in_g_basis - torch.diag(diagonal)).abs().max() < 1e-3  # g's singular vectors, kept
 
 
 def test_adamw_is_one_torch_optimizer_over_every_parameter():
