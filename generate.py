@@ -190,19 +190,22 @@ def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None, kv
     device = model.wte.weight.device
     idx = torch.tensor([prompt_ids[-model.config.block_size:]], device=device)
     n = max(2, max_new_tokens)
-    timed_stream(model, idx, n, True, decode_step, kv_dtype)  # warm-up (and compile) at these shapes
+    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype))  # (and compile) at these shapes
     rows = []
     for kv_cache in (True, False):
         prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype)
-        rows.append((kv_cache, idx.size(1) / prefill_s, (n - 1) / decode_s))
+        rows.append((kv_cache, idx.size(1) / prefill_s, (n - 1) / decode_s, prefill_s + decode_s))
     c = model.config
     cache = model.new_kv_cache(1, dtype=kv_dtype)
     print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} "
           f"n_embd={c.n_embd}, {model.wte.weight.dtype}, prompt {idx.size(1)} tokens, {n} new tokens, "
           f"batch 1, {device}{', compiled decode step' if decode_step else ''}", file=out)
     print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
-    for kv_cache, prefill, decode in rows:
+    for kv_cache, prefill, decode, _ in rows:
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
+    print(f"warm-up: {warm_up_s:.2f} s, {warm_up_s - rows[0][3]:.2f} s more than a repeat"
+          f"{' (compiling the decode step, or loading it from the on-disk cache)' if decode_step else ''}",
+          file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
     scales = " + one scale per position and K/V head" if cache.quantized else ""
     print(f"KV cache in {cache.dtype}: {cache.bytes_per_token:,} bytes per token "

@@ -16,14 +16,24 @@ generate.py with no speed flags (dtype=auto quantize=auto), "fastest" adds compi
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
 
-3. The KV cache's precision (`--sections kv`): cached one-token steps of the char model's shape
+3. Compile paid once (`--sections compile`): `python generate.py ckpt=<the main job> compile=true
+   benchmark=true` run twice, each a fresh process, over one empty inductor cache: the first
+   compiles, the second finds the compiled code on disk. Each prints its warm-up's extra time.
+4. Thread counts (`--sections threads`): the default sample of both models at 1 and 2 threads,
+   side by side, with the aten operations one decoded token costs (counted under a dispatch mode).
+5. The KV cache's precision (`--sections kv`): cached one-token steps of the char model's shape
    at 1024 positions, batch 1 and 64, with the cache in float32, bfloat16 and int8 (float32
    weights), the three measured in turn, round after round, and each one's median reported.
 """
 
 import argparse
+import os
+import re
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,6 +45,8 @@ from model.evaluation import split_loss
 from model.generation import CompiledDecodeStep, decode_tokens_per_s, for_decoding, load_model, stream
 from model.kv_cache import KV_DTYPES
 from model.run_dir import latest_run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PRECISIONS = {  # name: (dtype, quantize, compile)
     "fp32 (exact)": ("float32", None, False),
@@ -57,18 +69,21 @@ def sample_seconds(model, prompt, new: int, decode_step=None) -> float:
 def hf_sample_seconds(hf, prompt, new: int) -> float:
     torch.manual_seed(1337)
     t0 = time.perf_counter()
-    hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=True, temperature=0.8,
-                top_k=200, pad_token_id=0)
+    hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=True,
+                temperature=0.8, top_k=200, pad_token_id=0)
     return time.perf_counter() - t0
 
 
 def compare(title: str, hf, load, new: int) -> None:
     """One table: transformers, then each of our precisions, each loaded fresh by `load`."""
     prompt = torch.zeros(1, 1, dtype=torch.long)
+    # No end-of-text token (ours never stops early; min_new_tokens would forbid token 0, "\n" in the
+    # char vocabulary), and an attention mask, else transformers takes the prompt's 0 for padding.
+    hf.generation_config.eos_token_id = None
     exact = load("float32", None)
     check = min(new, exact.config.block_size - 1)  # past the block, ours refills its cache, theirs goes on
-    greedy_hf = hf.generate(prompt, max_new_tokens=check, min_new_tokens=check, do_sample=False,
-                            pad_token_id=0)
+    greedy_hf = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=check,
+                            do_sample=False, pad_token_id=0)
     same = (greedy_hf == exact.generate(prompt, check, temperature=0)).float().mean().item()
     hf_first = hf_sample_seconds(hf, prompt, new)
     hf_s = hf_sample_seconds(hf, prompt, new)
@@ -132,6 +147,59 @@ def main_job(ckpt: str, new: int) -> None:
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
 
 
+def compile_cost(ckpt: str, new: int) -> None:
+    cmd = [sys.executable, "generate.py", f"ckpt={ckpt}", "compile=true", "benchmark=true",
+           f"max_new_tokens={new}"]
+    print(f"\n### Compile paid once: `{' '.join(['python', *cmd[1:]])}`, twice, fresh processes, one "
+          f"inductor cache (empty before the first)\n")
+    print("| run | whole process s | warm-up beyond a repeat (compiling) s | decode tokens/s |\n"
+          "| --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as cache:
+        for run in ("first", "second"):
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
+                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}).stdout
+            wall = time.perf_counter() - t0
+            extra = re.search(r"warm-up: [\d.]+ s, ([\d.-]+) s more", out).group(1)
+            decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
+            print(f"| {run} | {wall:.1f} | {extra} | {decode} |")
+
+
+def ops_per_token(model, new: int = 32) -> float:
+    """aten operations per token of a default sample after its first, as torch.profiler counts them
+    (every call, nested ones included): a sample of new + 1 tokens against one of 1."""
+    from torch.profiler import profile
+
+    counts = []
+    for n in (1, new + 1):
+        with profile() as prof:
+            sample_seconds(model, torch.zeros(1, 1, dtype=torch.long), n)
+        counts.append(sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")))
+    return (counts[1] - counts[0]) / new
+
+
+def threads(ckpt: str, new: int, rounds: int = 3) -> None:
+    torch.manual_seed(0)
+    char = for_decoding(GPT(GPTConfig(vocab_size=65, block_size=512, n_layer=6, n_head=6, n_embd=384)), "cpu")
+    models = {"char 6/6/384 (random weights)": char, "CPU main job": load_model(ckpt, "cpu")[0]}
+    counts = sorted({1, torch.get_num_threads()})
+    print(f"\n### Threads: default decoding (no flags), batch 1, {new} new tokens, tokens/s, median of "
+          f"{rounds} interleaved rounds\n")
+    print("| model | weights | aten ops per token | " + " | ".join(f"{n} thread(s)" for n in counts)
+          + " |\n|" + " --- |" * (3 + len(counts)))
+    default = torch.get_num_threads()
+    for name, model in models.items():
+        speeds = {n: [] for n in counts}
+        for _ in range(rounds):
+            for n in counts:
+                torch.set_num_threads(n)
+                speeds[n].append(new / sample_seconds(model, torch.zeros(1, 1, dtype=torch.long), new))
+        torch.set_num_threads(default)
+        cells = " | ".join(f"{sorted(v)[len(v) // 2]:,.0f}" for v in speeds.values())
+        weights = "int8" if "Int8" in str(model) else str(model.wte.weight.dtype).removeprefix("torch.")
+        print(f"| {name} | {weights} | {ops_per_token(model):,.0f} | {cells} |")
+
+
 def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> None:
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, block_size=context, n_layer=6, n_head=6, n_embd=384)
@@ -157,7 +225,8 @@ def main() -> None:
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--sections", nargs="+", choices=["char", "main", "kv"], default=["char", "main", "kv"])
+    sections = ["char", "main", "compile", "threads", "kv"]
+    p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,8 +236,13 @@ def main() -> None:
 def run(args) -> None:
     if "char" in args.sections:
         char_shape(args.new)
+    ckpt = args.ckpt or str(latest_run("outputs"))
     if "main" in args.sections:
-        main_job(args.ckpt or str(latest_run("outputs")), args.new)  # a non-Llama model: one-line error
+        main_job(ckpt, args.new)  # a non-Llama model: one-line error
+    if "compile" in args.sections:
+        compile_cost(ckpt, args.new)
+    if "threads" in args.sections:
+        threads(ckpt, args.new)
     if "kv" in args.sections:
         cache_precisions()
 

@@ -10,6 +10,9 @@ with eval_iters=20 and no dropout). Then ours, each as a user runs it (`python t
     nanoGPT's exact config   experiment=shakespeare_char_cpu (4/4/128, block 64, batch 12, GELU,
                              learned positions, LayerNorm, AdamW, 2000 iterations)
     the CPU main job         python train.py with nothing else
+    ... with AdamW           the main job's model and schedule with AdamW instead of Muon, at the
+                             iterations AdamW needs for the same loss (1300): does Muon pay?
+    threads                  the main job's first 200 iterations at 1 thread and at PyTorch's default
 
 Every time is whole-process wall time, measured here; ms/iteration is the median of what each
 trainer logs (training steps only). The main job's quality is the loss over the whole val split
@@ -18,6 +21,7 @@ process start. Printed: a table and the ratios the project's targets are stated 
 """
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -35,14 +39,15 @@ NANOGPT_CPU = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=Fa
                "--log_interval=10", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
                "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
 OURS = {"ours, nanoGPT's exact config": ["experiment=shakespeare_char_cpu"],
-        "ours, CPU main job (python train.py)": []}
+        "ours, CPU main job (python train.py)": [],
+        "ours, CPU main job with AdamW": ["train.optimizer=adamw", "train.max_iters=1300"]}
 TARGET = 1.88
 
 
-def timed(cmd: list[str], cwd: Path) -> tuple[float, str]:
-    """(wall seconds, stdout) of a command that must succeed."""
+def timed(cmd: list[str], cwd: Path, env: dict | None = None) -> tuple[float, str]:
+    """(wall seconds, stdout) of a command that must succeed; env: variables to add."""
     t0 = time.perf_counter()
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     if result.returncode:
         sys.exit(f"error: {' '.join(cmd)} failed in {cwd}:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -65,9 +70,9 @@ def run_nanogpt(checkout: Path, tmp: Path) -> dict:
             "to_target": next((step for step, val in evals if val <= TARGET), None), "iters": evals[-1][0]}
 
 
-def run_ours(overrides: list[str], run_dir: Path) -> dict:
+def run_ours(overrides: list[str], run_dir: Path, env: dict | None = None) -> dict:
     wall, _ = timed([sys.executable, "train.py", *overrides, "train.device=cpu", "train.sample_tokens=0",
-                     f"hydra.run.dir={run_dir}"], ROOT)
+                     f"hydra.run.dir={run_dir}"], ROOT, env)
     records = read_metrics(run_dir)
     config = checkpoint.load(run_dir / "ckpt.pt").config
     train, model = config["train"], config["model"]
@@ -96,6 +101,9 @@ def main() -> None:
         rows["nanoGPT (its train.py, CPU recipe)"] = run_nanogpt(checkout, Path(tmp))
         for i, (name, overrides) in enumerate(OURS.items()):
             rows[name] = run_ours(overrides, Path(tmp) / f"ours{i}")
+        short = ["train.max_iters=200", "train.eval_interval=1000", "train.full_val=false"]
+        threads = {n: run_ours(short, Path(tmp) / f"threads{n}", {"OMP_NUM_THREADS": str(n)})["ms_per_iter"]
+                   for n in sorted({1, os.cpu_count() or 1})}
 
     print("| run | iterations | wall s | ms/iter (median) | final val | first eval <= 1.88 |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -104,9 +112,17 @@ def main() -> None:
             f", {r['to_target_s']:.0f} s" if r["to_target_s"] else "")
         print(f"| {name} | {r['iters']} | {r['wall_s']:.0f} | {r['ms_per_iter']:.1f} | "
               f"{r['final_val']:.4f} ({r['final_kind']}) | {reached} |")
-    nano, same, main_job = rows.values()
+    nano, same, main_job, adamw = rows.values()
     print(f"\niterations/s at nanoGPT's exact config, ours / nanoGPT's: "
           f"{nano['ms_per_iter'] / same['ms_per_iter']:.2f}x (target >= 1.2x)")
+    print(f"iterations/s of the main job's model (AdamW) / nanoGPT's, same batch and block: "
+          f"{nano['ms_per_iter'] / adamw['ms_per_iter']:.2f}x (target >= 1.2x); with Muon "
+          f"{nano['ms_per_iter'] / main_job['ms_per_iter']:.2f}x")
+    print(f"Muon against AdamW in the main job: {main_job['iters']} against {adamw['iters']} iterations, "
+          f"{main_job['wall_s']:.0f} s against {adamw['wall_s']:.0f} s, to {main_job['final_val']:.4f} "
+          f"against {adamw['final_val']:.4f}")
+    print("main job ms/iteration by thread count (first 200 iterations): "
+          + ", ".join(f"{n}: {ms:.1f}" for n, ms in threads.items()))
     if main_job["to_target_s"]:
         print(f"main job: val <= {TARGET} after {main_job['to_target_s'] / nano['wall_s']:.2f}x nanoGPT's "
               f"wall time (target <= 0.4x)")
