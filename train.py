@@ -138,8 +138,7 @@ def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
     if run.source is not None:
         model.load_state_dict(run.source.model)  # checked against its config by check_options
     model.to(device)
-    optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                                    fused=device.type == "cuda")
+    optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     # Every rank draws the same global batch and takes its own slice of it, so N processes see
     # exactly the batches one process would with N times the batch size.
     batches = partial(Batches, block_size=run.model.block_size, batch_size=cfg.batch_size * world_size,

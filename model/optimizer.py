@@ -1,6 +1,6 @@
 """The optimizers a GPT trains with, picked by name (`train.optimizer`):
 
-    adamw  AdamW on every parameter, weight decay on matrices only (nanoGPT's setup).
+    adamw  AdamW (fused) on every parameter, weight decay on matrices only (nanoGPT's setup).
     muon   Muon (torch.optim.Muon: momentum, then the update orthogonalised by Newton-Schulz) on the
            2-D weight matrices inside the blocks, AdamW on the rest: embeddings, the head, norms
            and biases (modded-nanogpt's split). Muon's step is scaled to AdamW's update size
@@ -20,8 +20,10 @@ OPTIMIZERS = ("adamw", "muon")
 
 
 def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[float, float],
-                        weight_decay: float, fused: bool = False) -> torch.optim.Optimizer:
-    """The optimizer `name` over the model's trainable parameters (see the module docstring)."""
+                        weight_decay: float, fused: bool = True) -> torch.optim.Optimizer:
+    """The optimizer `name` over the model's trainable parameters (see the module docstring). AdamW
+    is PyTorch's fused kernel by default: one step for all parameters, on a CPU (4-5% of a CPU
+    main job's iteration) as on CUDA."""
     if name not in OPTIMIZERS:
         raise ValueError(f"name={name!r} is not one of {', '.join(OPTIMIZERS)}")
     muon_wanted = name == "muon"
