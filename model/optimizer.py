@@ -5,8 +5,7 @@
            2-D weight matrices inside the blocks, AdamW on the rest: embeddings, the head, norms
            and biases (modded-nanogpt's split). Muon's step is scaled to AdamW's update size
            (adjust_lr_fn="match_rms_adamw"), so both take the one learning rate of the schedule.
-           On a CPU without bfloat16 matrix instructions (AVX512-BF16), `Float32Muon`: the same step
-           with Newton-Schulz in float32, which such a CPU runs far faster than emulated bfloat16.
+           On a CPU, `Float32Muon`: the same step with Newton-Schulz in float32, batched by shape.
 
 Both are one object with `param_groups`, `step`, `zero_grad` and `state_dict`, so the training
 loop and checkpoints treat them alike.
@@ -35,47 +34,56 @@ def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[flo
                               lr=lr, betas=betas, fused=fused)
     if not on_muon:
         return adamw
-    emulates_bf16 = params[on_muon[0]].device.type == "cpu" and not torch.cpu._is_avx512_bf16_supported()
-    muon = (Float32Muon if emulates_bf16 else torch.optim.Muon)([params[n] for n in on_muon], lr=lr,
-                                                                weight_decay=weight_decay, momentum=0.95,
-                                                                adjust_lr_fn="match_rms_adamw")
+    on_cpu = params[on_muon[0]].device.type == "cpu"
+    muon = (Float32Muon if on_cpu else torch.optim.Muon)([params[n] for n in on_muon], lr=lr,
+                                                         weight_decay=weight_decay, momentum=0.95,
+                                                         adjust_lr_fn="match_rms_adamw")
     return MuonAndAdamW(muon, adamw)
 
 
 class Float32Muon(torch.optim.Muon):
-    """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration in float32. PyTorch's runs it
-    in bfloat16, which a CPU without bf16 matrix instructions emulates: a training step of the CPU
-    main job took 8x AdamW's on such a CPU (AVX2; benchmarks/RESULTS.md). On a CPU with them
-    (AVX512-BF16) bfloat16 is as fast as float32, and PyTorch's own Muon is used. Same
-    hyperparameters, state ("momentum_buffer") and update; only the iteration's precision differs
-    (PyTorch has no option for it)."""
+    """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration in float32, and run on all the
+    matrices of one shape at once (a batched matrix product instead of one per matrix). PyTorch's
+    runs it in bfloat16, which a CPU without bf16 matrix instructions emulates (a training step of
+    the CPU main job took 8x AdamW's on such a CPU, AVX2), and which is no faster on one with them
+    (AVX512-BF16: the CPU main job took 63-72 s against 66-68 s; benchmarks/RESULTS.md). Same
+    hyperparameters, state ("momentum_buffer") and update; only the iteration's precision and
+    batching differ (PyTorch has no option for either)."""
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            updates = []
+            for p in params:
                 buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 buf.lerp_(p.grad, 1 - group["momentum"])
-                update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
+                updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
+            shapes = {}  # shape -> indices of the params of that shape
+            for i, p in enumerate(params):
+                shapes.setdefault(p.shape, []).append(i)
+            for indices in shapes.values():
+                stack = torch.stack([updates[i] for i in indices])       # (n, A, B)
+                ortho = newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                for i, update in zip(indices, ortho):
+                    p = params[i]
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                    p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 
 
-def newton_schulz(grad, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon's, in float32: grad (A, B) ->
-    an approximately orthogonal matrix (A, B) with its singular vectors."""
+def newton_schulz(grads, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon's, in float32, on a stack of n
+    matrices (n, A, B): each becomes an approximately orthogonal matrix with its singular vectors."""
     a, b, c = coefficients
-    x = grad.float()
-    if grad.size(0) > grad.size(1):
-        x = x.T                                                          # (min, max): the smaller Gram
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= 1
+    x = grads.float()
+    tall = grads.size(1) > grads.size(2)
+    if tall:
+        x = x.mT                                                         # (n, min, max): the smaller Gram
+    x = x / x.norm(dim=(1, 2), keepdim=True).clamp(min=eps)  # spectral norm <= 1
     for _ in range(steps):
-        gram = x @ x.T                                                   # (min, min)
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.T if grad.size(0) > grad.size(1) else x).to(grad.dtype)
+        gram = x @ x.mT                                                  # (n, min, min)
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).to(grads.dtype)
 
 
 class MuonAndAdamW:

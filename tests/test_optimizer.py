@@ -13,9 +13,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     model = tiny_model(bias=True, norm="layernorm")
     optimizer = configure_optimizer(model, "muon", lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
     assert isinstance(optimizer, MuonAndAdamW)
-    # float32 Newton-Schulz on a CPU that would emulate bfloat16 matrix products
-    emulated = not torch.cpu._is_avx512_bf16_supported()
-    assert isinstance(optimizer.optimizers["muon"], Float32Muon) == emulated
+    assert isinstance(optimizer.optimizers["muon"], Float32Muon)  # float32 Newton-Schulz on a CPU
     names = {id(p): n for n, p in model.named_parameters()}
     on_muon = {names[id(p)] for g in optimizer.optimizers["muon"].param_groups for p in g["params"]}
     on_adamw = {names[id(p)] for g in optimizer.optimizers["adamw"].param_groups for p in g["params"]}
@@ -33,25 +31,35 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
 def test_float32_muon_steps_as_torch_muon_up_to_its_bfloat16_rounding(shape):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for _ in range(2)]
+    params.append(torch.nn.Parameter(torch.randn(8, 8)))  # another shape: a stack of its own
     copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
     kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
     ours, theirs = Float32Muon(params, **kw), torch.optim.Muon(copies, **kw)
     for _ in range(3):
-        grads = [torch.randn(shape) for _ in params]
+        grads = [torch.randn(p.shape) for p in params]
         for p, c, g in zip(params, copies, grads):
             p.grad, c.grad = g.clone(), g.clone()
         ours.step()
         theirs.step()
     for p, c in zip(params, copies):
         assert torch.equal(ours.state[p]["momentum_buffer"], theirs.state[c]["momentum_buffer"])
-        step = kw["lr"] * 0.2 * max(shape) ** 0.5  # the update's size, per step
+        step = kw["lr"] * 0.2 * max(p.shape) ** 0.5  # the update's size, per step
         assert 0 < (p - c).abs().max() < 0.05 * step  # float32 against bfloat16 Newton-Schulz
     assert ours.state_dict()["param_groups"] == theirs.state_dict()["param_groups"]
 
 
+def test_newton_schulz_in_float32_orthogonalises_each_matrix_of_a_stack_as_alone():
+    stack = torch.randn(3, 16, 40, generator=torch.Generator().manual_seed(1))
+    coefficients = (3.4445, -4.7750, 2.0315)
+    alone = torch.stack([newton_schulz(m[None], coefficients, 5, 1e-7)[0] for m in stack])
+    torch.testing.assert_close(newton_schulz(stack, coefficients, 5, 1e-7), alone, atol=1e-5, rtol=0)
+    tall = stack.mT.contiguous()                                         # (3, 40, 16)
+    torch.testing.assert_close(newton_schulz(tall, coefficients, 5, 1e-7), alone.mT, atol=1e-5, rtol=0)
+
+
 def test_newton_schulz_in_float32_orthogonalises():
     g = torch.randn(32, 96, generator=torch.Generator().manual_seed(0))
-    x = newton_schulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    x = newton_schulz(g[None], (3.4445, -4.7750, 2.0315), 5, 1e-7)[0]
     u, _, vh = torch.linalg.svd(g, full_matrices=False)
     in_g_basis = u.T @ x @ vh.T                                          # (32, 32): diagonal if x = U S' V^T
     diagonal = in_g_basis.diagonal()
