@@ -6,7 +6,7 @@ from dataclasses import dataclass
 OPTIONS = {
     "pos_emb": ("learned", "rope"),
     "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "swiglu"),
+    "mlp": ("gelu", "gelu_exact", "swiglu"),
     "attn_backend": ("sdpa", "naive"),
 }
 
@@ -27,7 +27,7 @@ class GPTConfig:
     bias: bool = True  # biases in Linear layers and LayerNorm, as in GPT-2
     pos_emb: str = "learned"
     norm: str = "layernorm"
-    mlp: str = "gelu"
+    mlp: str = "gelu"  # GPT-2's tanh-approximated GELU; gelu_exact: the erf one (nanoGPT's nn.GELU)
     qk_norm: bool = False
     tie_embeddings: bool = True
     attn_backend: str = "sdpa"
