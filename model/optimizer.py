@@ -46,7 +46,7 @@ class Float32Muon(torch.optim.Muon):
     matrices of one shape at once (a batched matrix product instead of one per matrix). PyTorch's
     runs it in bfloat16, which a CPU without bf16 matrix instructions emulates (a training step of
     the CPU main job took 8x AdamW's on such a CPU, AVX2), and which is no faster on one with them
-    (AVX512-BF16: the CPU main job took 63-72 s against 66-68 s; benchmarks/RESULTS.md). Same
+    (AVX512-BF16: the CPU main job took 63-72 s, against 59-65 s with this; benchmarks/RESULTS.md). Same
     hyperparameters, state ("momentum_buffer") and update; only the iteration's precision and
     batching differ (PyTorch has no option for either)."""
 
@@ -56,7 +56,9 @@ class Float32Muon(torch.optim.Muon):
             params = [p for p in group["params"] if p.grad is not None]
             updates = []
             for p in params:
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = self.state[p]["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 updates.append(p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf)
             shapes = {}  # shape -> indices of the params of that shape
