@@ -2,6 +2,8 @@
 torchrun job (and printing from the first), training's autocast, the precision a model decodes
 in, a clock that waits for the device, and training throughput (tokens/s, MFU) measured with it."""
 
+import atexit
+import gc
 import os
 import re
 import time
@@ -34,6 +36,13 @@ def pick_device(device: str = "auto") -> torch.device:
     return picked
 
 
+def memory_bytes(device: torch.device) -> int:
+    """The memory a device has: the GPU's, or the machine's RAM for the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def print0(message: str) -> None:
     """Print from the first process only (under torchrun every process runs the same code)."""
     if int(os.environ.get("RANK", 0)) == 0:
@@ -43,7 +52,8 @@ def print0(message: str) -> None:
 def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     """(rank, world_size, device) of a training process. Under torchrun: one process group (NCCL on
     GPU, gloo on CPU), each process on its own GPU. Otherwise (0, 1, device). On CUDA, float32
-    matmuls (those bf16 autocast leaves, or all with dtype=float32) run in TF32."""
+    matmuls (those bf16 autocast leaves, or all with dtype=float32) run in TF32. The group lasts
+    until the process exits (end_distributed); a second train() in the process uses it again."""
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # (its new-API form breaks inductor's getters)
     if not ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
@@ -51,8 +61,19 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
     if device.type == "cuda":
         device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}")
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        atexit.register(end_distributed)
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device
+
+
+def end_distributed() -> None:
+    """Leave the process group, at exit, once the DDP wrappers are gone. Not sooner: a DDP wrapper
+    holds the group, and one collected after the group was destroyed frees it while holding the
+    GIL, joining gloo threads that wait for the GIL (a process that never exits)."""
+    gc.collect()  # a wrapper in a reference cycle, while its group lives
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def mean_over_ranks(value: torch.Tensor) -> torch.Tensor:
