@@ -1,7 +1,12 @@
 """GPTConfig: every architectural choice of the model, checked once at construction."""
 
+import dataclasses
 import math
+import numbers
+import typing
 from dataclasses import dataclass
+
+INT64_MAX = 2**63 - 1  # the largest integer torch holds
 
 OPTIONS = {
     "pos_emb": ("learned", "rope"),
@@ -105,6 +110,12 @@ class GPTConfig:
         return None if self.attn_window is not None and self.pos_emb == "rope" else self.block_size
 
     @property
+    def receptive_field(self) -> int | None:
+        """How many of the last tokens the next one depends on: with a window, each of n_layer
+        layers reaches attn_window - 1 positions further back; None without one (all of them)."""
+        return None if self.attn_window is None else self.n_layer * (self.attn_window - 1) + 1
+
+    @property
     def kv_layers(self) -> int:
         """Layers that keep keys and values in the cache: one per group of kv_share layers."""
         return -(-self.n_layer // self.kv_share)
@@ -122,6 +133,30 @@ class GPTConfig:
 
 def check_int(config: GPTConfig, name: str, minimum: int) -> None:
     """config.<name> is an integer (not a bool) >= minimum, or a ValueError naming the field."""
-    value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"GPTConfig.{name} must be an integer >= {minimum}, got {value!r}")
+    check_integer(getattr(config, name), f"GPTConfig.{name}", minimum)
+
+
+def check_integer(value, name: str, minimum: int = 0, maximum: int = INT64_MAX) -> None:
+    """value is an integer (not a bool) in minimum..maximum, or a ValueError naming it `name`."""
+    if not is_integer(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {value}")
+
+
+def is_integer(value) -> bool:
+    """An int of any kind (Python's, numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_integer_fields(config, prefix: str) -> None:
+    """Every integer of a dataclass's int fields (int, int | None, list[int]) fits in torch's int64:
+    a config holds no number that would overflow where it is used."""
+    for f in dataclasses.fields(config):
+        if int not in (f.type, *typing.get_args(f.type)) and f.type != list[int]:
+            continue
+        value = getattr(config, f.name)
+        for item in value if isinstance(value, list) else [value]:
+            if is_integer(item) and not -INT64_MAX - 1 <= item <= INT64_MAX:
+                raise ValueError(f"{prefix}{f.name}={item} is out of range: an integer here fits in "
+                                 f"64 bits ({-INT64_MAX - 1}..{INT64_MAX})")

@@ -7,7 +7,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from model.config import check_integer
 from model.device import mean_over_ranks
+from model.kv_cache import storage_dtype
 
 
 @torch.no_grad()
@@ -21,27 +23,30 @@ def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice =
     for name, batches in splits.items():
         saved = batches.state_dict()
         batches.generator.manual_seed(seed)
-        losses = torch.zeros(iters, device=batches.device)
-        for i in range(iters):
+        total = torch.zeros((), device=batches.device)
+        for _ in range(iters):
             x, y = batches.next()
             with amp:
-                losses[i] = model(x[rows], y[rows])[1]
+                total += model(x[rows], y[rows])[1].float()
         batches.load_state_dict(saved)
-        out[name] = mean_over_ranks(losses.mean()).item()
+        out[name] = mean_over_ranks(total / iters).item()
     model.train()
     return out
 
 
 @torch.no_grad()
-def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 64, kv_dtype=None) -> float:
+def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 16, kv_dtype=None) -> float:
     """Mean cross-entropy of predicting every token of `tokens` (1-D) from the ones before it in
     its window: the split is cut into consecutive windows of block_size (the last one shorter),
     so each of its len - 1 targets is predicted exactly once, with 0 .. block_size - 1 tokens of
     context. The honest number to compare runs by. With `kv_dtype`, each window goes through a KV
     cache that stores in it (torch.int8, ...): teacher-forced, every position attends to the keys
     and values as that cache holds them, which is what decoding through it computes."""
-    if tokens.dim() != 1 or len(tokens) < 2:
-        raise ValueError(f"split_loss needs a 1-D split of 2 tokens or more, got {tuple(tokens.shape)}")
+    if tokens.dim() != 1 or len(tokens) < 2 or tokens.is_floating_point():
+        raise ValueError(f"tokens must be a 1-D split of 2 token ids or more, got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")
+    check_integer(windows_per_batch, "windows_per_batch", 1)
+    kv_dtype = None if kv_dtype is None else storage_dtype(kv_dtype, "kv_dtype")
     block_size = model.config.block_size
     device = next(model.parameters()).device
     n_targets = len(tokens) - 1

@@ -11,13 +11,18 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model.config import check_integer
 from model.device import DTYPES, decode_precision, pick_device, synchronized_clock
+from model.kv_cache import storage_dtype
 from model.quantize import quantize_int8
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def load_model(path, device="auto", dtype: str = "auto", quantize: str | None = "auto"):
@@ -43,15 +48,59 @@ def for_decoding(model, device="auto", dtype: str = "auto", quantize: str | None
 
 
 def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None) -> None:
-    """The sampling options' ranges; each message names the option."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not temperature >= 0 or math.isinf(temperature):
-        raise ValueError(f"temperature must be >= 0 and finite, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or null, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    """The sampling options' types and ranges; each message names the option."""
+    check_integer(max_new_tokens, "max_new_tokens", 0)
+    if not is_real(temperature) or not 0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a number >= 0 and finite, got {temperature!r}")
+    if top_k is not None:
+        check_integer(top_k, "top_k", 1)
+    if top_p is not None and (not is_real(top_p) or not 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def is_real(value) -> bool:
+    """A real number of any kind (int, float, numpy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decode_step, kv_dtype, pad=None):
+    """The arguments of `stream` that depend on the model, checked once per call: the prompt's ids
+    (B, T) are the model's, its positions allow max_new_tokens more, the generators are one per row
+    on the model's device, vocab_size is at most the model's, and the decode step is this model's,
+    with room for B rows, in the cache dtype asked for. Returns kv_dtype as a torch dtype (or None)."""
+    c, device = model.config, model.wte.weight.device
+    vocab = c.vocab_size
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.size(1) == 0 or idx.is_floating_point():
+        raise ValueError(f"idx must be a (B, T) tensor of token ids with T >= 1, got "
+                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+    if idx.numel() and not 0 <= int(idx.min()) <= int(idx.max()) < vocab:
+        raise ValueError(f"idx: token ids must be in 0..{vocab - 1} (the model's vocabulary), got "
+                         f"{int(idx.min())}..{int(idx.max())}")
+    B, T = idx.shape
+    if max_new_tokens > new_tokens_allowed(c, T):
+        raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed block_size={c.block_size}: "
+                         f"past it, a sliding-window model (attn_window) needs pos_emb=rope, not learned")
+    if pad is not None and (pad.shape != (B,) or not 0 <= int(pad.min()) <= int(pad.max()) < T):
+        raise ValueError(f"pad must be ({B},): each row's count of padding, below T={T}")
+    generators = generator if isinstance(generator, (list, tuple)) else [generator]
+    if isinstance(generator, (list, tuple)) and len(generator) != idx.size(0):
+        raise ValueError(f"generator: a list needs one per row, {idx.size(0)}; got {len(generator)}")
+    for g in generators:
+        if g is not None and (not isinstance(g, torch.Generator) or g.device.type != device.type):
+            raise ValueError(f"generator must be a torch.Generator on {device.type} (the model's device) "
+                             f"or a list of them, got {g!r}")
+    if vocab_size is not None:
+        check_integer(vocab_size, "vocab_size", 1, vocab)
+    kv_dtype = None if kv_dtype is None else storage_dtype(kv_dtype, "kv_dtype")
+    if decode_step is not None:
+        if not isinstance(decode_step, CompiledDecodeStep) or decode_step.model is not model:
+            raise ValueError("decode_step must be a CompiledDecodeStep built for this model")
+        if B > (rows := decode_step.cache.batch_size):
+            raise ValueError(f"the compiled decode step serves batches of up to {rows} rows, got {B}")
+        if kv_dtype not in (None, decode_step.cache.dtype):
+            raise ValueError(f"kv_dtype={kv_dtype}, but the decode step's cache stores "
+                             f"{decode_step.cache.dtype}: build the CompiledDecodeStep with this kv_dtype")
+    return kv_dtype
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -61,7 +110,11 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     draws exactly what it would draw alone with its generator. The options are `stream`'s to check."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Shifted so that the largest is 0 and scaled by 1 / temperature, at most float32's largest
+    # number: however small the temperature, no logit overflows into inf - inf (NaN).
+    logits = logits.float()
+    scale = FLOAT32_MAX if temperature * FLOAT32_MAX < 1 else 1 / temperature
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) * scale
     if top_k is not None and top_k < logits.size(-1):  # top_k >= vocab keeps every token
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]             # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -118,68 +171,98 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
            kv_cache=True, generator=None, pad=None, decode_step=None, vocab_size=None, kv_dtype=None):
     """Yield the next token of every row, (B,), max_new_tokens times.
 
-    Without the cache, each step runs the whole context, cropped to block_size: the reference.
-    With it, the prompt is prefilled once and each step feeds one token to a static KVCache,
-    stored in `kv_dtype` (torch.float32, bfloat16 or int8; default: the model's dtype). When the
-    cache is full, `make_room` refills it, so generation goes on past block_size for learned and
-    RoPE positions alike. A sliding-window model with RoPE needs neither: its reference is the
-    whole context, and its cache a ring of window slots. `decode_step` (a `CompiledDecodeStep`)
-    replaces the eager one-token step, and its static cache (of its own kv_dtype) the one
-    allocated per call. `vocab_size` limits sampling to the ids below it (a tokenizer's, when the
-    model's vocabulary is padded past it).
+    Without the cache, each step runs the context from scratch (`prefill`): the reference. With
+    it, the prompt is prefilled once and each step feeds one token to a static KVCache, stored in
+    `kv_dtype` (float32, bfloat16 or int8; default: the model's dtype). When the cache is full,
+    `make_room` refills it, so learned and RoPE positions alike generate past block_size. A
+    sliding-window model with RoPE needs neither: its reference is the whole context (of which the
+    last `receptive_field` tokens matter), its cache a ring. `decode_step` (a `CompiledDecodeStep`)
+    replaces the eager one-token step, and its static cache the one allocated per call. `vocab_size`
+    limits sampling to the ids below it (a tokenizer's). Arguments are checked here, once.
     """
     check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    block_size, context_len = model.config.block_size, model.config.max_positions
+    decode_step = decode_step if kv_cache else None  # no cache, no decode step
+    kv_dtype = check_generation(model, idx, max_new_tokens, generator=generator, vocab_size=vocab_size,
+                                decode_step=decode_step, kv_dtype=kv_dtype, pad=pad)
+    c = model.config
     B, T = idx.shape
-    if model.config.attn_window is not None and context_len is not None and T + max_new_tokens > block_size:
-        raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed block_size={block_size}: past "
-                         f"it, a sliding-window model (attn_window) needs pos_emb=rope, not learned")
-    if isinstance(generator, (list, tuple)) and len(generator) != B:
-        raise ValueError(f"generator: a list needs one per row, {B}; got {len(generator)}")
-    tokens = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)  # (B, T + new)
-    tokens[:, :T] = idx  # prompt + generated so far: tokens[:, :length], written in place
+    # tokens[:, :length]: the prompt and the tokens so far, written in place; when it is full, only
+    # the last `history` stay (all any step reads again), moved to the front, and pad moves with them.
+    history = c.max_positions or c.receptive_field
+    tokens = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
+                         device=idx.device)                              # (B, capacity)
+    tokens[:, :T] = idx
     length = T
-    if decode_step is not None and kv_cache and B > decode_step.cache.batch_size:
-        raise ValueError(f"the compiled decode step serves batches of up to {decode_step.cache.batch_size} "
-                         f"rows, got {B}")
     if not kv_cache:
         cache = None
     elif decode_step is not None:
         cache = decode_step.cache  # static: its first B rows serve this call
     else:
-        cache = model.new_kv_cache(B, min(block_size, T + max_new_tokens), dtype=kv_dtype)
+        cache = model.new_kv_cache(B, min(c.block_size, T + max_new_tokens), dtype=kv_dtype)
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
     # The model runs in inference mode (no autograd bookkeeping: ~15% faster a step on a CPU); the
     # tokens, sampled outside it, are plain tensors a caller may train on.
     with torch.inference_mode():
-        logits, cache_pad = prefill(model, tokens[:, :length], context_len, cache, pad)
+        logits, cache_pad = prefill(model, tokens[:, :length], cache, pad)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
         yield token
         if i == max_new_tokens - 1:
             break
+        if length == tokens.size(1):
+            tokens[:, :history] = tokens[:, length - history:length].clone()
+            pad = None if pad is None else pad - (length - history)     # (B,) negative: cut off
+            length = history
         tokens[:, length] = token
         length += 1
         with torch.inference_mode():
             if cache is None:
-                logits, _ = prefill(model, tokens[:, :length], context_len, None, pad)
+                logits, _ = prefill(model, tokens[:, :length], None, pad)
                 continue
             if cache.length == cache.max_len and not cache.ring:
                 cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad)
             logits = step(token[:, None], cache, cache_pad)
 
 
-def prefill(model, tokens, context_len, cache=None, pad=None):
-    """Run the last context_len (None: all) of `tokens` (B, length) from scratch, into an emptied
-    cache if one is given: (the logits (B, vocab) after it, the padding (B,) of that context or None)."""
-    length = tokens.size(1)
-    context = tokens[:, max(0, length - (context_len or length)):]       # (B, <= context_len)
-    context_pad = None if pad is None else (pad - (length - context.size(1))).clamp(min=0)
+def new_tokens_allowed(config, prompt_len: int) -> float:
+    """How many tokens may follow a prompt of prompt_len: as many as wanted (inf), except with a
+    sliding window and learned positions, which end at block_size (no refill keeps a window)."""
+    if config.attn_window is not None and config.max_positions is not None:
+        return max(0, config.block_size - prompt_len)
+    return math.inf
+
+
+def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_size=None) -> list[int]:
+    """A sample as nanoGPT's sample.py draws it (temperature 0.8, top_k 200, seeded): `prompt` and
+    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed)."""
+    device = model.wte.weight.device
+    n = min(max_new_tokens, new_tokens_allowed(model.config, len(prompt)))
+    out = generate(model.eval(), torch.tensor([prompt], device=device), n, temperature=0.8, top_k=200,
+                   vocab_size=vocab_size, generator=torch.Generator(device=device).manual_seed(seed))
+    return out[0].tolist()
+
+
+def prefill(model, tokens, cache=None, pad=None):
+    """Run from scratch the part of `tokens` (B, length) the next token depends on, into an
+    emptied cache if one is given: (the logits (B, vocab) after it, the pad (B,) of that context or
+    None). With learned positions or full attention that is the last block_size tokens, from
+    position 0: past block_size, the reference's context slides. With a window and RoPE, the last
+    receptive_field tokens at the positions they have in the whole sequence (their pad lowered by
+    the tokens cut, below 0 once a row's padding is all cut): what the whole context computes."""
+    c, length = model.config, tokens.size(1)
+    context = tokens[:, max(0, length - (c.max_positions or c.receptive_field)):]  # (B, <= that)
+    cut = length - context.size(1)
+    if c.max_positions is not None:
+        context_pad = None if pad is None else (pad - cut).clamp(min=0)  # (B,)
+    elif pad is not None or cut:
+        context_pad = (tokens.new_zeros(tokens.size(0)) if pad is None else pad) - cut  # (B,)
+    else:
+        context_pad = None
     if cache is not None:
         cache.reset()
-    return model(context, kv_cache=cache, pad=context_pad)[:, -1], context_pad
+    return model(context, kv_cache=cache, pad=context_pad, last_only=True)[:, -1], context_pad
 
 
 def make_room(model, tokens, cache, pad):
@@ -227,7 +310,10 @@ class CompiledDecodeStep:
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None):
         device = model.wte.weight.device
-        self.cache = model.new_kv_cache(batch_size, dtype=kv_dtype)
+        check_integer(batch_size, "batch_size", 1)
+        self.model = model
+        self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
+                                        storage_dtype(kv_dtype, "kv_dtype"))
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
@@ -261,12 +347,13 @@ class CompiledDecodeStep:
 
 
 def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,
-                 kv_dtype=None) -> tuple[float, float]:
-    """(seconds to the first token, seconds for the rest) of one greedy generation."""
+                 kv_dtype=None, pad=None) -> tuple[float, float]:
+    """(seconds to the first token, seconds for the rest) of one greedy generation of every row
+    of idx (B, T), left-padded by `pad` (B,) or not."""
     clock = synchronized_clock(idx.device)
     t0 = clock()
     tokens = stream(model, idx, max_new_tokens, temperature=0, kv_cache=kv_cache, decode_step=decode_step,
-                    kv_dtype=kv_dtype)
+                    kv_dtype=kv_dtype, pad=pad)
     next(tokens)
     t1 = clock()
     for _ in tokens:
@@ -279,6 +366,8 @@ def decode_tokens_per_s(model, batch_size: int, context: int, kv_dtype=None, ste
     """Tokens/s of eager one-token steps at the end of a `context`-long cache stored in kv_dtype,
     after as many warm-up steps. The cache is filled with random numbers instead of a prefill,
     which would cost far more than the measurement (speed does not depend on them)."""
+    check_integer(steps, "steps", 1)
+    check_integer(context, "context", 2 * steps, model.config.block_size)
     cache = model.new_kv_cache(batch_size, context, dtype=kv_dtype)
     for t in cache.buffers:
         t.normal_() if t.is_floating_point() else t.random_(-127, 128)

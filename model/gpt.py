@@ -7,9 +7,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles
-from model.config import GPTConfig
+from model.config import GPTConfig, check_integer
 from model.generation import generate
-from model.kv_cache import KVCache
+from model.kv_cache import KVCache, storage_dtype
 
 
 class MLP(nn.Module):
@@ -140,29 +140,34 @@ class GPT(nn.Module):
 
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache sized for this model, on its device, handing attention its dtype; it stores in
-        `dtype` (by default the model's; torch.int8: one scale per position and K/V head). max_len
+        `dtype` (by default the model's; else float32, bfloat16 or int8, a torch dtype or its name;
+        int8: one scale per position and K/V head). max_len
         (default block_size) is the positions the cache must hold; a sliding-window model holds at
         most its window, in a ring that takes positions without end."""
         c = self.config
         max_len = c.block_size if max_len is None else max_len
-        if not 1 <= max_len <= c.block_size:
-            raise ValueError(f"max_len={max_len} must be in 1..block_size={c.block_size}")
+        check_integer(batch_size, "batch_size", 1)
+        check_integer(max_len, "max_len", 1, c.block_size)
         ring = c.attn_window is not None and max_len >= c.attn_window
         weight = self.wte.weight
-        kw = dict(dtype=dtype or weight.dtype, compute_dtype=weight.dtype, ring=ring, device=weight.device)
+        dtype = weight.dtype if dtype is None else storage_dtype(dtype)
+        kw = dict(dtype=dtype, compute_dtype=weight.dtype, ring=ring, device=weight.device)
         max_len = c.attn_window if ring else max_len
         if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
             return KVCache(c.kv_layers, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
                            value_dim_in_keys=c.mla_latent_dim, **kw)
         return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, **kw)
 
-    def forward(self, idx, targets=None, *, kv_cache=None, pad=None):
-        """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets.
+    def forward(self, idx, targets=None, *, kv_cache=None, pad=None, last_only=False):
+        """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets;
+        with `last_only`, the last position's alone (B, 1, vocab_size), all a prefill needs.
 
         With `kv_cache`, the tokens continue the cached sequence: they take positions
         kv_cache.length .. +T-1, and the cache advances by T. `pad` (B,) counts left-padding
         tokens per row (batched prompts of different lengths): pads are never attended to and
-        positions start after them.
+        positions start after them. A negative pad is a row that started -pad positions earlier:
+        its positions continue from there (a context cut from a longer sequence, see
+        generation.prefill).
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
@@ -173,12 +178,13 @@ class GPT(nn.Module):
         if kv_cache is not None and kv_cache.ring and start > 0 and T > 1:
             # A ring holds one window: the tokens after a prefill go in one at a time.
             logits = torch.cat([self(idx[:, t:t + 1], kv_cache=kv_cache, pad=pad) for t in range(T)], dim=1)
+            logits = logits[:, -1:] if last_only else logits
         else:
             input_pos = torch.arange(start, start + T, device=idx.device)
             # Attention reads the positions written so far, which need no mask: a ring past its
             # prefill holds them out of order, so it reads every slot, by position.
             cache_len = None if kv_cache is not None and kv_cache.ring and start > 0 else start + T
-            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_len)
+            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_len, last_only)
             if kv_cache is not None:
                 kv_cache.advance(T)
         if targets is None:
@@ -187,7 +193,7 @@ class GPT(nn.Module):
                                targets.flatten(), ignore_index=-1)       # (B*T,)
         return logits, loss
 
-    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None):
+    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
         decode step built on it compiles to one fixed-shape graph. Attention reads the cache's first
         `cache_len` slots (positions 0 .. cache_len - 1), or with None every slot, masked by the
@@ -215,7 +221,9 @@ class GPT(nn.Module):
         for block in self.blocks:
             x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask,
                           shared_kv=kv, cache_len=cache_len)
-        return self.lm_head(self.norm_f(x))                              # (B, T, vocab_size)
+        if last_only:
+            x = x[:, -1:]                                                # (B, 1, n_embd)
+        return self.lm_head(self.norm_f(x))                              # (B, T or 1, vocab_size)
 
     def attention_mask(self, query_pos, key_pos, pad=None) -> torch.Tensor:
         """(T, S), or with pad (B,) (B, 1, T, S): True where the query at query_pos (T,) may see the

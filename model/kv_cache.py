@@ -7,6 +7,16 @@ import torch
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache stores
 
 
+def storage_dtype(dtype, name: str = "dtype") -> torch.dtype:
+    """The dtype a cache stores in, given as one of KV_DTYPES' dtypes or names; anything else (an
+    integer dtype would truncate keys and values) is a ValueError naming the argument `name`."""
+    dtype = KV_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype) or dtype not in KV_DTYPES.values():
+        raise ValueError(f"{name} must be one of {', '.join(KV_DTYPES)} (a torch dtype or its name), "
+                         f"got {dtype!r}")
+    return dtype
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (..., D) -> (int8 (..., D), scale (..., 1) in float32): symmetric absmax, one scale per
     row, so x ~ int8 * scale with an error of at most scale / 2 per number."""

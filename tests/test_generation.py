@@ -180,9 +180,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("max_new_tokens", -1, "max_new_tokens must be >= 0"),
-    ("temperature", -0.5, "temperature must be >= 0"),
-    ("top_k", 0, "top_k must be >= 1"),
+    ("max_new_tokens", -1, "max_new_tokens must be an integer >= 0"),
+    ("temperature", -0.5, "temperature must be a number >= 0"),
+    ("top_k", 0, "top_k must be an integer >= 1"),
     ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
 ])
 def test_sampling_options_name_themselves(option, value, message):
