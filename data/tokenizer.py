@@ -13,6 +13,7 @@ from tiktoken_ext.openai_public import ENDOFTEXT, r50k_pat_str
 # The shipped GPT-2 (r50k_base) ranks file and its sha256 (the hash tiktoken itself checks).
 GPT2_BPE_PATH = Path(__file__).parent / "assets" / "gpt2.tiktoken"
 GPT2_BPE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_VOCAB_SIZE = 50257
 
 
 class CharTokenizer:
@@ -101,14 +102,36 @@ def gpt2_encoding(bpe_path=GPT2_BPE_PATH) -> tiktoken.Encoding:
     ranks = {base64.b64decode(token): int(rank)
              for token, rank in (line.split() for line in contents.splitlines() if line)}
     return tiktoken.Encoding(name="gpt2", pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=50257)
+                             special_tokens={ENDOFTEXT: 50256}, explicit_n_vocab=GPT2_VOCAB_SIZE)
 
 
 def tokenizer_from_meta(meta: dict):
-    """The tokenizer that prepared a dataset (or trained a checkpoint), from its meta."""
-    if meta["tokenizer"] == "char":
-        return CharTokenizer(meta["vocab"])
-    return BPETokenizer()
+    """The tokenizer that prepared a dataset (or trained a checkpoint), from its meta (checked)."""
+    meta_vocab_size(meta)
+    return BPETokenizer() if meta["tokenizer"] == "bpe" else CharTokenizer(meta["vocab"])
+
+
+def meta_vocab_size(meta) -> int:
+    """The vocabulary size of the tokenizer a meta (read back from a file) names; a meta that names
+    none of ours is a ValueError that says what is wrong."""
+    kind = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if kind == "bpe":
+        return GPT2_VOCAB_SIZE
+    if kind != "char":
+        raise ValueError(f"its data meta names no tokenizer (tokenizer: {kind!r}, not char or bpe)")
+    vocab = meta.get("vocab")
+    if not (isinstance(vocab, list) and vocab and all(isinstance(c, str) and len(c) == 1 for c in vocab)
+            and len(set(vocab)) == len(vocab)):
+        raise ValueError("its data meta's char vocabulary is not a list of distinct characters")
+    return len(vocab)
+
+
+def start_ids(tokenizer) -> list[int]:
+    """Where a sample with no prompt starts: a newline, or in a char vocabulary without one (a
+    corpus of a single line), its first character."""
+    if isinstance(tokenizer, CharTokenizer) and "\n" not in tokenizer.stoi:
+        return [0]
+    return tokenizer.encode("\n")
 
 
 def same_tokenizer(meta: dict, other: dict) -> bool:

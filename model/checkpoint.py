@@ -38,6 +38,11 @@ class Checkpoint:
     converted_from: dict | None = None           # set by model.convert
 
 
+# The type of each field a checkpoint file may hold (absent: its default), checked when loaded.
+FIELD_TYPES = {"data_meta": dict, "config": dict, "step": int, "best_val": (float, int),
+               **dict.fromkeys(["optimizer", "rng", "converted_from"], (dict, type(None)))}
+
+
 def find(path, prefer: str = "ckpt.pt") -> Path:
     """A checkpoint file, or the one in a run dir: `prefer` (ckpt.pt, the last, to resume;
     best.pt to sample), else the other."""
@@ -128,6 +133,13 @@ def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
             or not state["model_config"].keys() <= config_keys):
         found = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not a kvgpt checkpoint (it holds {found})")
+    for name in FIELD_TYPES.keys() & state.keys():
+        value = state[name]
+        negative_step = name == "step" and isinstance(value, int) and value < 0
+        if not isinstance(value, FIELD_TYPES[name]) or isinstance(value, bool) or negative_step:
+            raise ValueError(f"{path} is not a kvgpt checkpoint: its {name} is {value!r:.60}")
+    if not all(isinstance(t, torch.Tensor) for t in state["model"].values()):
+        raise ValueError(f"{path} is not a kvgpt checkpoint: its model holds values that are not tensors")
     ckpt = Checkpoint(**state)
     try:
         ckpt.model_config = GPTConfig(**ckpt.model_config)
@@ -141,7 +153,7 @@ def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
 def seed_rngs(seed: int) -> None:
     """Seed the process-wide RNGs that rng_state() saves (CUDA's with torch's)."""
     torch.manual_seed(seed)
-    np.random.seed(seed)
+    np.random.seed(seed % 2**32)  # numpy's legacy seeds are 32-bit
     random.seed(seed)
 
 
@@ -185,7 +197,8 @@ def unwrap(model) -> GPT:
 
 
 def check_weights(weights: dict, config: GPTConfig) -> None:
-    """Every tensor a GPT of `config` has is in `weights`, with its shape, and no other."""
+    """Every tensor a GPT of `config` has is in `weights`, with its shape, and no other; every
+    number of them finite."""
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         expected = GPT(config).state_dict()
     for name in sorted(expected.keys() | weights.keys()):
@@ -194,6 +207,8 @@ def check_weights(weights: dict, config: GPTConfig) -> None:
             describe = lambda t: "absent" if t is None else f"shape {tuple(t.shape)}"
             raise ValueError(f"weights do not match its model config ({name}: "
                              f"{describe(got)} in the checkpoint, {describe(want)} in the model)")
+        if got.is_floating_point() and not torch.isfinite(got).all():
+            raise ValueError(f"its weights hold NaN or inf ({name}): a diverged run's, or a damaged file")
 
 
 def load_weights(model, weights: dict) -> None:

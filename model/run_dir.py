@@ -138,7 +138,18 @@ def latest_run(root="outputs") -> Path:
 
 
 def read_metrics(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / METRICS_FILE).read_text().splitlines()]
+    """The records of a run's metrics.jsonl, each checked: a JSON object with an integer step."""
+    path, records = Path(run_dir) / METRICS_FILE, []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}, line {number}: not a metrics record (a JSON object with a step): "
+                             f"{line[:60]!r}")
+        records.append(record)
+    return records
 
 
 def start_wandb(mode: str, project: str, name: str | None, run_dir: Path, config: dict):
