@@ -12,6 +12,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -24,10 +25,10 @@ import hydra
 import numpy as np
 from hydra.core.config_store import ConfigStore
 
-from data.tokenizer import BPETokenizer, CharTokenizer
-from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
+from data.tokenizer import BPETokenizer, CharTokenizer, meta_vocab_size
+from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, one_line
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: paths with glob characters were dropped by datasets in 1; prepared again
 TOKENIZERS = ("char", "bpe")
 # TinyShakespeare (char-rnn's input.txt, 1,115,394 bytes) ships with the package: the corpus of
 # data.name=shakespeare when data.path is not set.
@@ -60,6 +61,9 @@ class DataConfig:
             raise ValueError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if not str(self.cache_dir).strip():
             raise ValueError("data.cache_dir is empty: give a folder for the prepared data")
+        if not re.fullmatch(r"[\w-][\w.-]*", str(self.name)):
+            raise ValueError(f"data.name={self.name!r} must be a plain name (letters, digits, '_', '-', '.'; "
+                             f"not starting with '.'): it names the prepared folder in data.cache_dir")
 
 
 ConfigStore.instance().store(group="data", name="schema", node=DataConfig)
@@ -74,16 +78,23 @@ def cache_dir(cfg: DataConfig) -> Path:
 
 
 def corpus_files(cfg: DataConfig) -> list[Path]:
-    """The corpus as local files: data.path (a file, a list, or a glob), else the shipped copy."""
+    """The corpus as local files: data.path (a file, a list, or a glob), else the shipped copy. A
+    pattern means what it means to the shell (bash with globstar): `*` and `?` within a name, `**`
+    any folders deep, the files it matches in sorted order (not folders, not hidden files), and the
+    path as written when it matches nothing but names a file. A folder is not a file: the error
+    says which pattern reads its files."""
     if cfg.path is None:
         return [BUILT_IN[cfg.name][0]]
     patterns = [cfg.path] if isinstance(cfg.path, str) else list(cfg.path)
     files = []
     for pattern in map(os.path.expanduser, patterns):
-        matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]
-        if not matches or not all(os.path.isfile(m) for m in matches):
+        matches = [m for m in sorted(glob.glob(pattern, recursive=True)) if os.path.isfile(m)]
+        if not matches and os.path.isdir(pattern):
+            raise IsADirectoryError(f"data.path={pattern} is a folder: give its files, e.g. "
+                                    f"data.path='{os.path.join(pattern, '**', '*.txt')}'")
+        if not matches and not os.path.isfile(pattern):
             raise FileNotFoundError(f"data.path: no such file: {pattern}")
-        files += map(Path, matches)
+        files += map(Path, matches or [pattern])
     return files
 
 
@@ -112,7 +123,8 @@ def prepare(cfg: DataConfig) -> Path:
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
     with naming("data.path"):
-        source_sha256 = sha256_bytes(read_text_files(files))
+        source = read_text_files(files)
+    source_sha256 = sha256_bytes(source)
     expected = BUILT_IN[cfg.name][1] if cfg.path is None else cfg.sha256
     if expected and source_sha256 != expected:
         fix = ("reinstall kvgpt" if cfg.path is None
@@ -124,6 +136,8 @@ def prepare(cfg: DataConfig) -> Path:
     out_dir = cache_dir(cfg) / f"{cfg.name}-{cfg.tokenizer}-{key}"
     if (out_dir / "meta.json").is_file():
         return out_dir
+    if out_dir.is_dir():  # without meta.json, which a prepared folder moves in with: damaged since
+        shutil.rmtree(out_dir, ignore_errors=True)
     try:
         cache_dir(cfg).mkdir(parents=True, exist_ok=True)
         tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
@@ -131,7 +145,7 @@ def prepare(cfg: DataConfig) -> Path:
         raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     bpe = BPETokenizer() if cfg.tokenizer == "bpe" else None  # its errors are not the cache's
     try:
-        write_prepared(cfg, files, source_sha256, key, tmp_dir, bpe)
+        write_prepared(cfg, files, source, key, tmp_dir, bpe)
         os.replace(tmp_dir, out_dir)
     except OSError as e:
         if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
@@ -141,19 +155,22 @@ def prepare(cfg: DataConfig) -> Path:
     return out_dir
 
 
-def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: str, out_dir: Path,
+def write_prepared(cfg: DataConfig, files: list[Path], source: bytes, key: str, out_dir: Path,
                    bpe: BPETokenizer | None):
     """Tokenize and split the corpus into out_dir: train.npy, val.npy and meta.json (with `bpe`,
-    else a char tokenizer built from the text)."""
+    else a char tokenizer built from the text). `source` is the files' bytes, which the text that
+    `datasets` reads must be (line endings aside: it reads text with universal newlines)."""
     import datasets  # slow to import: only when there is work
 
-    with quiet(datasets):
-        corpus = datasets.load_dataset("text", data_files={"corpus": [str(f) for f in files]},
+    with quiet(datasets):  # (paths escaped: datasets takes them as globs, and drops what none match)
+        corpus = datasets.load_dataset("text", data_files={"corpus": [glob.escape(str(f)) for f in files]},
                                        sample_by="document", keep_linebreaks=True,
                                        cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
     text = "".join(corpus["text"])
     if not text:
         raise ValueError(f"data.path: the corpus is empty: {', '.join(map(str, files))}")
+    if text != source.decode().replace("\r\n", "\n").replace("\r", "\n"):
+        raise ValueError(f"data.path: datasets read other text than {', '.join(map(str, files))} hold")
     tokenizer = bpe or CharTokenizer.from_text(text)
 
     cut = int(len(text) * (1 - cfg.val_fraction))  # first 90% of the characters train
@@ -174,7 +191,7 @@ def write_prepared(cfg: DataConfig, files: list[Path], source_sha256: str, key: 
         "vocab": tokenizer.chars if tokenizer.name == "char" else None,
         "dtype": np.dtype(dtype).name,
         **counts,
-        "source_sha256": source_sha256,
+        "source_sha256": sha256_bytes(source),
         "source_files": [str(f) for f in files],
         "val_fraction": cfg.val_fraction,
         "version": FORMAT_VERSION,
@@ -195,14 +212,33 @@ def quiet(datasets):
 
 
 def load_prepared(prepared_dir: Path):
-    """meta, train and val token arrays (memory-mapped) of a prepared folder."""
+    """meta, train and val token arrays (memory-mapped) of a prepared folder, checked: meta.json
+    names a tokenizer whose vocabulary holds every token id of the arrays, and their lengths."""
     prepared_dir = Path(prepared_dir)
     try:
         meta = json.loads((prepared_dir / "meta.json").read_text())
         train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
-    except ValueError as e:  # json's or numpy's complaint about a damaged file
-        raise ValueError(f"{prepared_dir} is damaged ({e}): delete it and it is prepared again") from e
+        check_prepared(meta, train, val)
+    except ValueError as e:  # json's or numpy's complaint about a damaged file, or ours
+        raise ValueError(f"{prepared_dir} is damaged ({one_line(e)}): delete it and it is prepared "
+                         f"again") from e
     return meta, train, val
+
+
+def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
+    """What load_prepared reads is what write_prepared writes, or a ValueError saying what is not."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
+    vocab_size = meta_vocab_size(meta)
+    if meta.get("vocab_size") != vocab_size:
+        raise ValueError(f"meta.json's vocab_size {meta.get('vocab_size')!r} is not its tokenizer's "
+                         f"{vocab_size}")
+    for name, tokens in (("train", train), ("val", val)):
+        if tokens.ndim != 1 or tokens.dtype.kind != "u" or meta.get(f"{name}_tokens") != len(tokens):
+            raise ValueError(f"{name}.npy is not the {meta.get(f'{name}_tokens')!r} token ids meta.json says")
+        if len(tokens) and int(tokens.max()) >= vocab_size:
+            raise ValueError(f"{name}.npy holds token id {int(tokens.max())}, past the vocabulary "
+                             f"({vocab_size})")
 
 
 def report(cfg) -> None:
