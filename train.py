@@ -25,7 +25,6 @@ from typing import Any
 
 import hydra
 import torch
-import torch.distributed as dist
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -33,11 +32,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from data.batches import Batches
 from data.prepare import load_prepared
-from data.tokenizer import tokenizer_from_meta
+from data.tokenizer import start_ids, tokenizer_from_meta
 from model import GPT, checkpoint
 from model.command_line import composed_jobs, exit_on_user_error, naming, with_default_experiment
+from model.config import check_integer_fields
 from model.device import Throughput, autocast, check_device, init_distributed, mean_over_ranks, print0
 from model.evaluation import estimate_loss, split_loss
+from model.generation import sample_ids
 from model.optimizer import OPTIMIZERS, configure_optimizer
 from model.plots import plot_losses
 from model.run_config import CONFIGS, RunConfig, check_options
@@ -73,8 +74,9 @@ class TrainConfig:
     peak_tflops: float = 989.0    # the device's bf16 peak, for MFU (H100 SXM dense)
 
     def __post_init__(self):
+        check_integer_fields(self, "train.")
         rules = {">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
-                 ">= 0": (lambda v: v >= 0, "max_iters warmup_iters lr_decay_iters min_lr weight_decay "
+                 ">= 0": (lambda v: v >= 0, "seed max_iters warmup_iters lr_decay_iters min_lr weight_decay "
                                             "grad_clip sample_tokens"),
                  "> 0": (lambda v: v > 0, "lr peak_tflops"),
                  "in [0, 1)": (lambda v: 0 <= v < 1, "beta1 beta2"),
@@ -224,8 +226,6 @@ def train(run: RunConfig, run_dir) -> dict:
         return finish(state, log, amp, stop)
     finally:
         release_run_dir(run_dir)
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- evaluate and save
@@ -250,8 +250,8 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     cfg, run_dir, full_val = state.run.train, state.run_dir, None
     stop.on_any_rank(state.device)  # a signal since the loop's last check: every rank agrees
     if state.rank == 0 and not stop and cfg.full_val:
-        _, _, val_tokens = load_prepared(state.run.data_dir)
-        full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp)
+        _, _, val_tokens = load_prepared(state.run.data_dir)  # batch_size windows at once, as training
+        full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp, cfg.batch_size)
         log.record({"step": state.step, "val_loss_full": full_val})
         print0(f"step {state.step}: val loss {full_val:.4f} over the whole val split "
                f"({len(val_tokens):,} tokens)")
@@ -264,15 +264,14 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     if state.rank == 0:
         plot_losses(run_dir, run_dir / "loss.png")
         if cfg.sample_tokens > 0:
-            tokenizer, device = tokenizer_from_meta(state.run.meta), state.model.wte.weight.device
-            out = state.model.eval().generate(torch.tensor([tokenizer.encode("\n")], device=device),
-                                              cfg.sample_tokens, temperature=0.8, top_k=200,
-                                              generator=torch.Generator(device=device).manual_seed(cfg.seed),
-                                              vocab_size=tokenizer.vocab_size)
-            print0(f"--- sample ---{tokenizer.decode(out[0].tolist())}\n--- end of sample ---")
-        print0(f"best val loss {state.best_val:.4f}; checkpoint: {run_dir / 'best.pt'}")
-    return {"step": state.step, "best_val": state.best_val, "val_loss_full": full_val,
-            "checkpoint": run_dir / "best.pt", "run_dir": run_dir}
+            tok = tokenizer_from_meta(state.run.meta)
+            ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
+            print0(f"--- sample ---{tok.decode(ids)}\n--- end of sample ---")
+    best = run_dir / "best.pt" if (run_dir / "best.pt").is_file() else state.last_saved  # resumed, not beaten
+    print0(f"best val loss {state.best_val:.4f}{' (from before the resume)' * (best.name != 'best.pt')}; "
+           f"checkpoint: {best}")
+    return {"step": state.step, "best_val": state.best_val, "val_loss_full": full_val, "checkpoint": best,
+            "run_dir": run_dir}
 
 
 # ----------------------------------------------------------------------------- command line

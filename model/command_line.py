@@ -102,6 +102,11 @@ def hydra_one_line(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line.strip("^ ") and not line.startswith(("See https", "provider="))]
     lines = lines[:lines.index("Config search path:")] if "Config search path:" in lines else lines
+    if getattr(error, "override", None):  # the grammar refused it: a quoted value is plain text
+        key, _, value = error.override.partition("=")
+        reason = next(line for line in lines if not line.startswith("Error parsing override"))
+        return (f"cannot parse {error.override} ({reason}): quote the value for Hydra, in a shell "
+                f"\"{key}='{value}'\"")
     if error.__cause__ is not None:
         return f"{lines[0].rstrip('.')}: {one_line(error.__cause__)}"
     for i, line in enumerate(lines):

@@ -13,11 +13,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from data.prepare import DataConfig, load_prepared, prepare
-from data.tokenizer import describe_tokenizer, same_tokenizer
+from data.tokenizer import describe_tokenizer, meta_vocab_size, same_tokenizer
 from model import checkpoint
 from model.command_line import check_keys, config_object, naming, resumed_config
 from model.config import GPTConfig
-from model.device import pick_device, print0
+from model.device import memory_bytes, pick_device, print0
 from model.optimizer import optimizer_name
 from model.run_dir import WANDB_MODES
 
@@ -66,6 +66,9 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
             source = checkpoint.init_from(cfg.init_from)
     data_dir = prepare(data_cfg)
     meta = load_prepared(data_dir)[0]
+    if source is not None:
+        with naming(option):
+            meta_vocab_size(source.data_meta)  # names a tokenizer, or says what is wrong
     if source is not None and not same_tokenizer(source.data_meta, meta):
         raise ValueError(f"{option} was trained with {describe_tokenizer(source.data_meta)}, but this data "
                          f"has {describe_tokenizer(meta)}: its token ids would mean other text")
@@ -86,8 +89,25 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
             raise ValueError(f"model.block_size={model.block_size} is too long for the {split} split "
                              f"({meta[f'{split}_tokens']:,} tokens): lower it, or give more text "
                              f"(data.path, data.val_fraction)")
+    check_fits(model, train_cfg.batch_size, device)
     config = OmegaConf.to_container(cfg, resolve=True) | {"model": dataclasses.asdict(model)}
     return RunConfig(config, train_cfg, data_cfg, model, device, data_dir, meta, source)
+
+
+def check_fits(model: GPTConfig, batch_size: int, device: torch.device) -> None:
+    """The model and a batch fit in the device's memory by a lower bound of what training takes:
+    16 bytes a parameter (float32 weights, gradients and AdamW's two moments; the parameters counted
+    from the config, at least 10 n_embd^2 a layer), and 4 bytes a number of a batch's logits and of
+    one residual stream a layer. A run past it could only fail, or be killed, once it has started."""
+    c = model
+    positions = c.block_size * (c.pos_emb == "learned")
+    params = (c.vocab_size + positions) * c.n_embd + 10 * c.n_layer * c.n_embd**2
+    batch = 4 * batch_size * c.block_size * (c.vocab_size + c.n_layer * c.n_embd)
+    if (need := 16 * params + batch) > (have := memory_bytes(device)):
+        raise ValueError(f"training this model takes at least {need / 2**30:,.1f} GiB ({params:,} "
+                         f"parameters, batches of {batch_size} x {c.block_size} tokens), more than the "
+                         f"{have / 2**30:,.1f} GiB of {device}: lower train.batch_size or the model's size "
+                         f"(model.n_layer, n_embd, block_size, vocab_size)")
 
 
 def model_config(node, vocab_size: int) -> GPTConfig:
