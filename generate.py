@@ -27,7 +27,8 @@ from hydra.core.config_store import ConfigStore
 from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, quote_literal_options
-from model.device import DTYPES, check_device, pick_device
+from model.config import check_integer, check_integer_fields
+from model.device import DTYPES, check_device, memory_bytes, pick_device
 from model.generation import CompiledDecodeStep, check_sampling, left_pad, load_model, stream, timed_stream
 from model.kv_cache import KV_DTYPES
 from model.plots import plot_attention
@@ -60,13 +61,15 @@ class GenerateConfig:
     attn_layer: int = 0
 
     def __post_init__(self):
+        check_integer_fields(self, "")
         if self.ckpt == "":
             raise ValueError("ckpt is empty: give a run dir or a checkpoint file, or leave it out for "
                              "the latest run in outputs/")
         if self.prompt_file is None and self.prompt == "":
             raise ValueError("the prompt is empty: give at least one character, e.g. prompt='\\n'")
-        if self.num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
+        check_integer(self.num_samples, "num_samples", 1)
+        check_integer(self.seed, "seed", 0)
+        check_integer(self.attn_layer, "attn_layer", 0)
         check_sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                        top_k=self.top_k, top_p=self.top_p)
         if self.dtype not in ("auto", *DTYPES):
@@ -97,7 +100,7 @@ def check_output_file(path: str, option: str) -> None:
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
-    """The prompts (prompt, or each line of prompt_file), each num_samples times."""
+    """The prompts: prompt, or each line of prompt_file."""
     if cfg.prompt_file:
         path = Path(cfg.prompt_file).expanduser()
         if not path.is_file():
@@ -108,14 +111,28 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
             raise ValueError(f"prompt_file {path} has no prompts")
     else:
         prompts = [cfg.prompt]
-    return [p for p in prompts for _ in range(cfg.num_samples)]
+    return prompts
+
+
+def check_batch_fits(model, rows: int, longest: int, cfg: GenerateConfig) -> None:
+    """`rows` sequences fit in the device's memory by a lower bound of what decoding them takes:
+    each row's KV cache (with kv_cache) and one residual stream of block_size positions, so that
+    num_samples is refused before anything is allocated, not by the allocator or the OOM killer."""
+    c, device = model.config, model.wte.weight.device
+    max_len = min(c.block_size, longest + cfg.max_new_tokens)
+    cache = model.new_kv_cache(1, max_len, KV_DTYPES.get(cfg.kv_dtype))
+    need = rows * (cache.nbytes * cfg.kv_cache + 4 * c.block_size * c.n_embd)
+    if need > (have := memory_bytes(device)):
+        raise ValueError(f"num_samples={cfg.num_samples}: {rows:,} rows take at least "
+                         f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {device}: "
+                         f"lower num_samples")
 
 
 def sample(cfg: GenerateConfig, out=None) -> list[str]:
     """Generate as cfg says; prints the samples to `out` (stdout by default; a single sample
     streams) and returns their texts."""
     out = out or sys.stdout
-    prompts = read_prompts(cfg)
+    lines = read_prompts(cfg)
     source = cfg.ckpt
     if source is None:
         source = latest_run("outputs")
@@ -123,11 +140,13 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     device = pick_device(cfg.device)  # its errors name `device`, as the option is called here
     with naming("ckpt"):
         model, ckpt = load_model(source, device, cfg.dtype, cfg.quantize)
-    tokenizer = tokenizer_from_meta(ckpt.data_meta)
+        tokenizer = tokenizer_from_meta(ckpt.data_meta)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
                          f"{tokenizer.name} tokenizer's {tokenizer.vocab_size}: a mismatched checkpoint")
-    encoded = [tokenizer.encode(p) for p in prompts]
+    encoded = [tokenizer.encode(p) for p in lines]
+    check_batch_fits(model, len(lines) * cfg.num_samples, max(map(len, encoded)), cfg)
+    prompts, encoded = ([x for x in xs for _ in range(cfg.num_samples)] for xs in (lines, encoded))
     if cfg.attn_plot:
         ids = encoded[0][-model.config.block_size:]
         labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
@@ -136,7 +155,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     kv_dtype = KV_DTYPES.get(cfg.kv_dtype)
     decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype) if cfg.compile and cfg.kv_cache else None
     if cfg.benchmark:
-        print_benchmark(model, encoded[0], cfg.max_new_tokens, out, decode_step, kv_dtype)
+        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype)
         return []
 
     idx, pad = left_pad(encoded, device)
@@ -185,24 +204,27 @@ def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) 
     return texts
 
 
-def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None, kv_dtype=None) -> None:
-    """Prefill and decode tokens/s with and without the cache, and the cache's size."""
-    device = model.wte.weight.device
-    idx = torch.tensor([prompt_ids[-model.config.block_size:]], device=device)
-    n = max(2, max_new_tokens)
-    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype))  # (and compile) at these shapes
+def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None) -> None:
+    """Prefill and decode tokens/s of the batch `prompts` (lists of ids, left-padded into one), with
+    and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it."""
+    device, c = model.wte.weight.device, model.config
+    idx, pad = left_pad([p[-(c.max_positions or c.receptive_field):] for p in prompts], device)
+    (B, T), n = idx.shape, max(2, max_new_tokens)
+    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype, pad))  # (and compile)
     rows = []
     for kv_cache in (True, False):
-        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype)
-        rows.append((kv_cache, idx.size(1) / prefill_s, (n - 1) / decode_s, prefill_s + decode_s))
-    c = model.config
+        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype, pad)
+        rows.append((kv_cache, B * T / prefill_s, B * (n - 1) / decode_s, prefill_s + decode_s))
     cache = model.new_kv_cache(1, dtype=kv_dtype)
-    print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} "
-          f"n_embd={c.n_embd}, {model.wte.weight.dtype}, prompt {idx.size(1)} tokens, {n} new tokens, "
-          f"batch 1, {device}{', compiled decode step' if decode_step else ''}", file=out)
+    print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd}, "
+          f"{model.wte.weight.dtype}, {device} | batch {B} x prompt {T} tokens"
+          f"{' (left-padded)' if pad is not None else ''}, {n} new tokens per row"
+          f"{' | compiled decode step' if decode_step else ''}", file=out)
     print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
     for kv_cache, prefill, decode, _ in rows:
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
+    print(f"tokens/s count every row: {B} x {T} prompt tokens, {B} x {n - 1} decoded (the first new "
+          f"token comes from the prefill)", file=out)
     print(f"warm-up: {warm_up_s:.2f} s, {warm_up_s - rows[0][3]:.2f} s more than a repeat"
           f"{' (compiling the decode step, or loading it from the on-disk cache)' if decode_step else ''}",
           file=out)
@@ -210,7 +232,8 @@ def print_benchmark(model, prompt_ids, max_new_tokens, out, decode_step=None, kv
     scales = " + one scale per position and K/V head" if cache.quantized else ""
     print(f"KV cache in {cache.dtype}: {cache.bytes_per_token:,} bytes per token "
           f"({c.kv_cache_formula()} x {cache.dtype.itemsize} bytes{scales}), {cache.nbytes / 2**20:.2f} MB "
-          f"for a sequence ({cache.max_len} positions{': the window' if cache.ring else ''})", file=out)
+          f"a sequence ({cache.max_len} positions{': the window' if cache.ring else ''}), "
+          f"{B * cache.nbytes / 2**20:.2f} MB for the batch", file=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

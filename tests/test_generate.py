@@ -98,7 +98,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["prompt='Zé'"], "not in this model's vocabulary: 'é'"),
     (["prompt="], "the prompt is empty"),
     (["attn_plot=/nonexistent/a.png"], "attn_plot=/nonexistent/a.png: the folder /nonexistent does not"),
-    (["top_k=0"], "top_k must be >= 1"),
+    (["top_k=0"], "top_k must be an integer >= 1"),
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
     (["kv_dtype=int4"], "kv_dtype must be null or one of float32, bfloat16, int8, got 'int4'"),
