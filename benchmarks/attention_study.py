@@ -45,11 +45,13 @@ from omegaconf import DictConfig, OmegaConf
 from data.prepare import load_prepared
 from model import GPT
 from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
+from model.config import check_integer_fields
 from model.convert import convert_checkpoint
 from model.device import pick_device
 from model.evaluation import split_loss
 from model.generation import decode_tokens_per_s, load_model
 from model.plots import pyplot, save_figure
+from model.run_config import model_config
 from model.run_dir import read_metrics
 from train import check_options, train
 
@@ -78,6 +80,7 @@ class StudyConfig:
     window_size: int | None = None  # model.attn_window of those; None: a quarter of block_size
 
     def __post_init__(self):
+        check_integer_fields(self, "study.")
         options = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
         for name, values in (("variants", self.variants), ("uptrain_to", [self.uptrain_to]),
                              ("int8_cache", self.int8_cache), ("window", self.window)):
@@ -92,8 +95,8 @@ class StudyConfig:
         if target["mla_latent_dim"] is not None or target["kv_share"] != 1:
             raise ValueError(f"study.uptrain_to={self.uptrain_to}: mean-pooling converts MHA to fewer "
                              f"K/V heads only (mha, gqa, mqa)")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"study.seeds must be distinct seeds, at least one, got {self.seeds}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"study.seeds must be distinct seeds >= 0, at least one, got {self.seeds}")
         if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1:
             raise ValueError(f"study.decode_batch_sizes must be >= 1 each, got {self.decode_batch_sizes}")
         if self.decode_context < 2 * DECODE_STEPS:
@@ -157,9 +160,9 @@ def int8_record(run_dir: Path, run, device) -> dict:
     of its last weights (ckpt.pt, those of its own score) through an int8 cache and through a
     float32 one, teacher-forced. Not trained: no curve, no training speed."""
     model, _ = load_model(run_dir / "ckpt.pt", device, dtype="float32", quantize=None)
-    val = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64"))
-    return {"val_loss": split_loss(model, val, kv_dtype=torch.int8),
-            "float32_cache_loss": split_loss(model, val, kv_dtype=torch.float32),
+    val, batch = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64")), run.train.batch_size
+    return {"val_loss": split_loss(model, val, windows_per_batch=batch, kv_dtype=torch.int8),
+            "float32_cache_loss": split_loss(model, val, windows_per_batch=batch, kv_dtype=torch.float32),
             "val_curve": [], "train_tokens_per_s": None}
 
 
@@ -289,6 +292,25 @@ def plot(rows: dict, out_dir: Path, study) -> None:
     save_figure(fig, out_dir / "decode_by_batch.png")
 
 
+ATTENTION_FIELDS = ("n_kv_head", "mla_latent_dim", "mla_rope_dim", "kv_share", "attn_window")
+
+
+def checked_row(row_cfg: DictConfig, variant: str):
+    """The checked options of one run of a row, whose model must be the variant the row names: what
+    its config asks for in every attention field. init_from would give it the architecture of the
+    checkpoint instead (every row the same model), which no row of a study may be."""
+    run = check_options(row_cfg)
+    asked = model_config(row_cfg.model, run.model.vocab_size)
+    for name in ATTENTION_FIELDS:
+        got, want = getattr(run.model, name), getattr(asked, name)
+        if got != want:
+            raise ValueError(f"study: the {variant} row would train a model with {name}={got}, not {want}: "
+                             f"init_from={row_cfg.init_from} gives every row its own architecture; a study "
+                             f"row must be the variant it names (leave init_from out, or study only the "
+                             f"variants it is)")
+    return run
+
+
 def uptrained(cfg: DictConfig, out_dir: Path, seed: int):
     """Convert seed's trained MHA model to study.uptrain_to by mean-pooling its K/V heads (Ainslie
     et al. 2023); the checked options that uptrain it."""
@@ -316,9 +338,12 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     study = config_object(cfg.study, "study.")
     with naming("train.device", "device"):
         device = pick_device(cfg.train.device)
-    checked = {(variant, seed): check_options(variant_config(cfg, variant, seed))
+    if cfg.train.resume:
+        raise ValueError(f"train.resume={cfg.train.resume}: a study trains every row from scratch, each "
+                         f"seed its own run; it resumes none (leave train.resume out)")
+    checked = {(variant, seed): checked_row(variant_config(cfg, variant, seed), variant)
                for variant in study.variants for seed in study.seeds}
-    windowed = {(variant, seed): check_options(variant_config(cfg, variant, seed, windowed=True))
+    windowed = {(variant, seed): checked_row(variant_config(cfg, variant, seed, windowed=True), variant)
                 for variant in study.window for seed in study.seeds}
     uptrain = study.uptrain_iters and "mha" in study.variants
     if uptrain:
