@@ -21,8 +21,15 @@ from model.checkpoint import Checkpoint
 from model.command_line import naming
 from model.generation import load_model
 from model.quantize import Int8Linear
-from model.run_dir import RUN_MARKERS, claim_run_dir, latest_run, release_run_dir, remove_stale_temp_files
-from tests.helpers import ROOT, tiny_config, tiny_model
+from model.run_dir import (
+    RUN_MARKERS,
+    claim_run_dir,
+    latest_run,
+    read_metrics,
+    release_run_dir,
+    remove_stale_temp_files,
+)
+from tests.helpers import ROOT, assert_one_line_error, run_in_process, tiny_config, tiny_model
 
 
 def write(path, model: GPT, **fields) -> None:
@@ -257,3 +264,44 @@ def test_each_rank_restores_its_own_rng_state_whatever_the_device_count():
         checkpoint.seed_rngs(7)  # the fresh seed of a resumed process
         checkpoint.restore_rng(processes, rank, cpu)
         assert torch.equal(torch.rand(4), draws[rank]), rank
+
+
+def nan_weight(raw: dict) -> dict:
+    raw["model"]["blocks.0.mlp.fc.weight"][0, 0] = float("nan")
+    return raw
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda raw: raw | {"data_meta": {}}, "ckpt: its data meta names no tokenizer (tokenizer: None"),
+    (lambda raw: raw | {"data_meta": {"tokenizer": "char", "vocab": "abc"}}, "char vocabulary is not a list"),
+    (lambda raw: raw | {"data_meta": [1]}, "is not a kvgpt checkpoint: its data_meta is [1]"),
+    (lambda raw: raw | {"step": "7"}, "is not a kvgpt checkpoint: its step is '7'"),
+    (lambda raw: raw | {"step": -1}, "its step is -1"),
+    (lambda raw: raw | {"best_val": None}, "its best_val is None"),
+    (lambda raw: raw | {"model": raw["model"] | {"wte.weight": [0.0]}}, "its model holds values that"),
+    (nan_weight, "ckpt: its weights hold NaN or inf (blocks.0.mlp.fc.weight)"),
+], ids=["empty data meta", "char vocabulary", "data meta type", "step type", "negative step", "best_val",
+        "not a tensor", "NaN weight"])
+def test_every_field_of_a_checkpoint_is_checked_when_read(tiny_ckpt, tmp_path, edit, message):
+    """A checkpoint edited by hand, or damaged: one line naming the option, before anything runs."""
+    torch.save(edit(torch.load(tiny_ckpt / "best.pt", weights_only=True)), tmp_path / "edited.pt")
+    result = run_in_process("generate.py", f"ckpt={tmp_path / 'edited.pt'}", "max_new_tokens=3")
+    assert_one_line_error(result, message)
+
+
+def test_a_checkpoint_to_start_from_is_checked_as_one_to_sample(tiny_ckpt, tiny_run, tmp_path):
+    raw = torch.load(tiny_ckpt / "best.pt", weights_only=True)
+    torch.save(raw | {"data_meta": {}}, tmp_path / "edited.pt")
+    result = run_in_process("train.py", *tiny_run, f"init_from={tmp_path / 'edited.pt'}",
+                            f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_line_error(result, f"init_from={tmp_path / 'edited.pt'}: its data meta names no tokenizer")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_metrics_file_names_its_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n[3]\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not a metrics record .*'\{\"step\": 2, "):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"loss": 1.0}\n')
+    with pytest.raises(ValueError, match="line 2: not a metrics record"):
+        read_metrics(tmp_path)

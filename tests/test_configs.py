@@ -2,6 +2,7 @@
 at config time with a message that names the field."""
 
 import dataclasses
+import functools
 import typing
 
 import pytest
@@ -205,3 +206,38 @@ def test_every_float_option_must_be_finite(config, prefix, field):
 def test_unknown_model_field_names_itself():
     with pytest.raises(ValueError, match="model.n_layr is not a field of GPTConfig"):
         model_config(compose("+model.n_layr=2").model, vocab_size=65)
+
+
+INT_TYPES = {f.name: f.type for _, _, schema in GROUPS for f in dataclasses.fields(schema)}  # (names: unique)
+INT_OPTIONS = [(config, prefix, f.name) for config, prefix, schema in GROUPS
+               for f in dataclasses.fields(schema)
+               if int in (f.type, *typing.get_args(f.type)) or f.type == list[int]]
+
+
+@functools.cache
+def composed(config: str):
+    return compose(*(["ckpt=run"] if config == "generate" else []), config_name=config)
+
+
+@pytest.mark.parametrize("config,prefix,field", INT_OPTIONS, ids=[f"{p}{f}" for _, p, f in INT_OPTIONS])
+def test_every_integer_option_past_64_bits_is_refused_by_name(config, prefix, field):
+    """Hydra holds any Python int; torch does not: 2**63 and -2**63 - 1 are refused at config time,
+    by name, before they overflow where they are used (a seed, a size, a count)."""
+    for value in (2**63, -(2**63) - 1):
+        node = composed(config).copy()
+        node = node[prefix.rstrip(".")] if prefix else node
+        node[field] = [value] if INT_TYPES[field] == list[int] else value
+        with pytest.raises(ValueError, match=rf"^{prefix}{field}\b"):
+            model_config(node, vocab_size=65) if prefix == "model." else config_object(node, prefix)
+
+
+@pytest.mark.parametrize("override", [f"train.batch_size={2**63 - 1}", f"model.n_layer={2**63 - 1}",
+                                      f"model.n_embd={2**62}", f"model.vocab_size={2**63 - 1}",
+                                      "model.n_layer=100000 model.n_embd=2048"])
+def test_a_model_or_batch_past_the_devices_memory_is_refused_before_the_run(override, tmp_path):
+    """At the top of their range, sizes are refused by what training them would take, before a run
+    dir exists, not by the allocator (a traceback) or the OOM killer (no word) once running."""
+    result = run_in_process("train.py", "experiment=shakespeare_char_cpu", *override.split(),
+                            f"hydra.run.dir={tmp_path / 'run'}")
+    assert_one_line_error(result, "GiB of cpu: lower train.batch_size or the model's size")
+    assert not (tmp_path / "run").exists()

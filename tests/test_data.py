@@ -2,14 +2,16 @@
 and batches."""
 
 import dataclasses
+import json
 import random
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from data.batches import Batches
-from data.prepare import TINYSHAKESPEARE_PATH, load_prepared, prepare
+from data.prepare import TINYSHAKESPEARE_PATH, DataConfig, corpus_files, load_prepared, prepare
 from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
 from tests.helpers import MULTI_BYTE, assert_one_line_error, data_config, finish, run_in_process, start_cli
 
@@ -205,3 +207,57 @@ def test_batches(char_data):
     # The starts a seed draws are the ones torch.randint has always drawn from it: runs stay as they were.
     starts = torch.randint(len(train) - 16, (4,), generator=torch.Generator().manual_seed(7))
     assert x[:, 0].tolist() == [int(train[s]) for s in starts]
+
+
+def test_a_path_means_what_the_shell_means(tmp_path):
+    """`**` any folders deep (bash's globstar), the matches sorted, no hidden files and no folders;
+    a file whose name looks like a pattern is that file; a folder is refused with the pattern that
+    reads it. datasets, which takes paths as patterns, reads each file as named (it dropped such a
+    name): the prepared text is every character of every file."""
+    texts = {"top.txt": "top\n", "x[1].txt": "bracket\n", "a/mid.txt": "mid\n", "a/b/deep.txt": "deep\n",
+             ".hidden.txt": "hidden\n", "a/.h/in_hidden.txt": "h\n", "notes.md": "md\n"}
+    for name, text in texts.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text * 30)
+    (tmp_path / "folder.txt").mkdir()  # a folder whose name matches *.txt
+    files = lambda path: [str(p.relative_to(tmp_path)) for p in corpus_files(DataConfig("t", path=path))]
+    assert files(f"{tmp_path}/**/*.txt") == ["a/b/deep.txt", "a/mid.txt", "top.txt", "x[1].txt"]
+    assert files(f"{tmp_path}/*.txt") == ["top.txt", "x[1].txt"]
+    assert files(f"{tmp_path}/x[1].txt") == ["x[1].txt"]
+    with pytest.raises(FileNotFoundError, match=r"data.path: no such file: .*x\[0-9\]\.txt"):
+        files(f"{tmp_path}/x[0-9].txt")
+    with pytest.raises(IsADirectoryError, match=rf"data.path={tmp_path}/a is a folder: give its files, "
+                                                rf"e.g. data.path='{tmp_path}/a/\*\*/\*.txt'"):
+        files(f"{tmp_path}/a")
+    prepared = prepare(data_config("data=text_files", f"data.path={tmp_path}/**/*.txt",
+                                   f"data.cache_dir={tmp_path / 'c'}"))
+    meta = load_prepared(prepared)[0]
+    assert meta["train_tokens"] + meta["val_tokens"] == 30 * len("top\nbracket\nmid\ndeep\n")
+
+
+@pytest.mark.parametrize("name", ["a/b", "..", ".x", "", "a b", "../up"])
+def test_data_name_is_a_plain_folder_name(name):
+    with pytest.raises(ValueError, match="data.name=.* must be a plain name"):
+        DataConfig(name, path="corpus.txt")
+
+
+def test_a_prepared_folder_is_checked_against_its_meta_and_healed_without_one(tmp_path):
+    """Hand-edited, meta.json names what is wrong with it; deleted, the folder is prepared again."""
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    prepared = prepare(data_config("data=text_files", f"data.path={tmp_path}/a.txt",
+                                   f"data.cache_dir={tmp_path / 'c'}"))
+    good = json.loads((prepared / "meta.json").read_text())
+    for edit, message in [([1, 2], "meta.json holds a list, not an object"),
+                          (good | {"vocab_size": 3}, "meta.json's vocab_size 3 is not its tokenizer's 8"),
+                          (good | {"vocab": good["vocab"][:3], "vocab_size": 3},
+                           "train.npy holds token id 7, past the vocabulary (3)"),
+                          (good | {"tokenizer": None}, "names no tokenizer"),
+                          (good | {"vocab": "abc"}, "char vocabulary is not a list of distinct characters"),
+                          (good | {"train_tokens": 5}, "train.npy is not the 5 token ids meta.json says")]:
+        (prepared / "meta.json").write_text(json.dumps(edit))
+        with pytest.raises(ValueError, match=rf"^{prepared} is damaged \(.*{re.escape(message)}.*delete it"):
+            load_prepared(prepared)
+    (prepared / "meta.json").unlink()
+    again = prepare(data_config("data=text_files", f"data.path={tmp_path}/a.txt",
+                                f"data.cache_dir={tmp_path / 'c'}"))
+    assert again == prepared and load_prepared(again)[0] == good

@@ -75,6 +75,29 @@ def test_bad_input_is_one_line_naming_what_to_fix(args, message, tmp_path):
     assert_one_line_error(run_in_process(*args, cwd=tmp_path, env={"HOME": str(home)}), message)
 
 
+# Options a run once took and then failed on, after .hydra/ and .lock were written or after the
+# whole run had trained: each is refused before the run dir exists.
+BEFORE_THE_RUN_DIR = [
+    (["train.seed=-1"], "train.seed must be >= 0, got -1"),
+    (["train.seed=99999999999999999999"], "train.seed=99999999999999999999 is out of range"),
+    (["data=text_files", "data.path={tmp}"], "data.path={tmp} is a folder: give its files"),
+    (["data=text_files", "data.path={file}", "data.name=a/b"], "data.name='a/b' must be a plain name"),
+    (["data=text_files", "data.path=corp/(x).txt"], "quote the value for Hydra, in a shell "
+                                                     "\"data.path='corp/(x).txt'\""),
+]
+
+
+@pytest.mark.parametrize("args, message", BEFORE_THE_RUN_DIR, ids=[" ".join(a) for a, _ in
+                                                                   BEFORE_THE_RUN_DIR])
+def test_a_bad_option_is_refused_before_the_run_dir_exists(args, message, tmp_path):
+    (tmp_path / "file").write_text("text\n" * 100)
+    args = [a.format(tmp=tmp_path, file=tmp_path / "file") for a in args]
+    result = run_in_process("train.py", "experiment=shakespeare_char_cpu", "model=tiny", *args,
+                            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_one_line_error(result, message.format(tmp=tmp_path))
+    assert not (tmp_path / "run").exists()
+
+
 def test_hydra_full_error_shows_the_traceback(tmp_path):
     """The error is not caught: the interpreter prints its traceback."""
     with pytest.raises(FileNotFoundError, match="^ckpt: checkpoint not found"):

@@ -85,9 +85,12 @@ def test_cli_stop_string(tiny_ckpt):
 def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     png = tmp_path / "attn.png"
     result = generate_cli(f"ckpt={tiny_ckpt}", "benchmark=true", "max_new_tokens=20", "kv_dtype=int8",
-                          "prompt=ROMEO: hi", f"attn_plot={png}", "attn_layer=1")
+                          "prompt=ROMEO: hi", f"attn_plot={png}", "attn_layer=1", "num_samples=3")
     assert result.returncode == 0, result.stderr
     assert "| on |" in result.stdout and "| off |" in result.stdout
+    # What was timed is what the table says: the batch of 3 rows, every row's tokens counted.
+    assert "| batch 3 x prompt 9 tokens, 20 new tokens per row" in result.stdout
+    assert "tokens/s count every row: 3 x 9 prompt tokens, 3 x 19 decoded" in result.stdout
     # tiny: 2 layers x 2 (K, V) x 4 kv heads x 4, in one byte each, and a float32 scale per head
     assert "KV cache in torch.int8: 128 bytes per token (2 layers x 2 (K, V) x 4 kv heads x 4 x 1 bytes " \
            "+ one scale per position and K/V head)" in result.stdout
@@ -102,6 +105,9 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
     (["kv_dtype=int4"], "kv_dtype must be null or one of float32, bfloat16, int8, got 'int4'"),
+    (["seed=100000000000000000000000"], "seed=100000000000000000000000 is out of range"),
+    (["max_new_tokens=100000000000000000000"], "max_new_tokens=100000000000000000000 is out of range"),
+    ([f"num_samples={2**63 - 1}"], f"num_samples={2**63 - 1}: 9,223,372,036,854,775,807 rows take at least"),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
@@ -169,3 +175,11 @@ def test_cli_fast_decode_options(tiny_ckpt):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:")
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", "dtype=float16"), "dtype must be one of")
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny_ckpt):
+    """logits / 1e-40 overflowed to inf and sampling failed on NaN; now it is the greedy sample."""
+    tiny, greedy = (generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=30",
+                                 f"temperature={t}") for t in ("1e-40", "0"))
+    assert tiny.returncode == 0, tiny.stderr
+    assert tiny.stdout == greedy.stdout

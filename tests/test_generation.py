@@ -3,11 +3,13 @@ generation past block_size, the compiled decode step."""
 
 import itertools
 import random
+import re
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
+from model.evaluation import split_loss
 from model.generation import (
     CompiledDecodeStep,
     check_sampling,
@@ -15,6 +17,7 @@ from model.generation import (
     generate,
     load_model,
     sample_next,
+    stream,
 )
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
 
@@ -234,3 +237,123 @@ def test_the_compiled_steps_backends_are_a_list_on_every_device():
         backends = decode_backends(torch.device(device))
         assert backends and all(isinstance(b, SDPBackend) for b in backends)
     assert decode_backends(torch.device("cuda"))[1] == SDPBackend.FLASH_ATTENTION
+
+
+# Every argument of the public generation API, checked once per call with an error naming it.
+# (argument, a bad value, the words of its error); the model is tiny_model (vocab 37, block 24).
+BAD_ARGUMENTS = [
+    ("kv_dtype", torch.int32, "kv_dtype must be one of float32, bfloat16, int8"),
+    *[("kv_dtype", dtype, "kv_dtype must be one of") for dtype in
+      (torch.int16, torch.uint8, torch.bool, torch.float16, "int4")],
+    ("idx", torch.zeros(2, 3), "idx must be a (B, T) tensor of token ids with T >= 1, got torch.float32"),
+    ("idx", torch.zeros(3, dtype=torch.long), "idx must be a (B, T) tensor"),
+    ("idx", torch.zeros(1, 0, dtype=torch.long), "idx must be a (B, T) tensor of token ids with T >= 1"),
+    ("idx", torch.full((1, 2), 37), "idx: token ids must be in 0..36"),
+    ("idx", torch.full((1, 2), -1), "idx: token ids must be in 0..36"),
+    ("max_new_tokens", -1, "max_new_tokens must be an integer >= 0"),
+    ("max_new_tokens", 2.5, "max_new_tokens must be an integer"),
+    ("max_new_tokens", True, "max_new_tokens must be an integer"),
+    ("max_new_tokens", 2**63, "max_new_tokens must be at most"),
+    ("temperature", float("nan"), "temperature must be a number >= 0 and finite"),
+    ("temperature", float("inf"), "temperature must be"), ("temperature", "hot", "temperature must be"),
+    ("top_k", 0, "top_k must be an integer >= 1"), ("top_k", 1.5, "top_k must be an integer"),
+    ("top_p", 0.0, "top_p must be in (0, 1]"), ("top_p", float("nan"), "top_p must be in"),
+    ("generator", "seed", "generator must be a torch.Generator"),
+    ("generator", [torch.Generator()] * 3, "one per row, 2; got 3"),
+    ("vocab_size", 0, "vocab_size must be an integer >= 1"),
+    ("vocab_size", 38, "vocab_size must be at most 37"),
+    ("decode_step", object(), "decode_step must be a CompiledDecodeStep built for this model"),
+]
+
+
+@pytest.mark.parametrize("argument,value,message", BAD_ARGUMENTS,
+                         ids=[f"{a}={v!r:.20}" for a, v, _ in BAD_ARGUMENTS])
+def test_every_argument_of_generate_is_checked_and_named(argument, value, message):
+    model = tiny_model()
+    kwargs = {"idx": torch.zeros(2, 3, dtype=torch.long), "max_new_tokens": 3} | {argument: value}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        generate(model, **kwargs)
+
+
+def test_a_cache_stores_only_its_dtypes_given_by_dtype_or_name():
+    model = tiny_model()
+    idx = torch.randint(0, 37, (2, 5))
+    assert torch.equal(generate(model, idx, 8, temperature=0, kv_dtype="int8"),
+                       generate(model, idx, 8, temperature=0, kv_dtype=torch.int8))
+    for bad, message in [({"batch_size": 0}, "batch_size must be an integer >= 1"),
+                         ({"batch_size": 1, "max_len": 25}, "max_len must be at most 24"),
+                         ({"batch_size": 1, "dtype": torch.int64}, "dtype must be one of float32")]:
+        with pytest.raises(ValueError, match=message):
+            model.new_kv_cache(**bad)
+    other = CompiledDecodeStep(tiny_model(seed=1), batch_size=2)
+    with pytest.raises(ValueError, match="built for this model"):  # another model's step
+        generate(model, idx, 2, decode_step=other)
+    float32_step = CompiledDecodeStep(model, batch_size=2)
+    with pytest.raises(ValueError, match="kv_dtype=torch.int8, but the decode step.s cache stores"):
+        generate(model, idx, 2, decode_step=float32_step, kv_dtype="int8")
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 1e-46, 5e-324])
+def test_a_temperature_however_small_samples_the_most_likely_token(temperature):
+    """logits / temperature would overflow to inf, and inf - inf is NaN: no temperature > 0 may."""
+    logits = torch.randn(4, 37) * 10
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_next(logits, temperature, generator=generator), logits.argmax(-1))
+    model = tiny_model()
+    idx = torch.randint(0, 37, (2, 3))
+    assert torch.equal(model.generate(idx, 6, temperature=temperature, generator=generator),
+                       model.generate(idx, 6, temperature=0))
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla", "gqa_cla2_3_layers"])
+def test_a_window_model_runs_only_what_its_layers_can_see(attention):
+    """A sliding window of 6 over n_layer layers: the next token depends on the last n_layer x 5
+    + 1 tokens. Prompts far longer than that (and than block_size) prefill only those, at the
+    positions they have in the whole sequence: the logits are the whole context's; cached equals
+    uncached, batched rows their prompts alone; no forward ever runs more positions."""
+    model = tiny_model(pos_emb="rope", attn_window=6, **ATTENTION[attention])
+    reach = model.config.receptive_field
+    assert reach == model.config.n_layer * 5 + 1
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].size(1)))
+    prompts = [torch.randint(0, 37, (n,)) for n in (300, 7, 61)]
+    runs = [model.generate(prompts, 40, kv_cache=kv, temperature=1.0, top_k=20,
+                           generator=[torch.Generator().manual_seed(row) for row in range(3)])
+            for kv in (True, False)]
+    hook.remove()
+    assert max(widths) == reach
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    for row, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], 40, temperature=1.0, top_k=20,
+                               generator=torch.Generator().manual_seed(row))[0]
+        assert torch.equal(runs[0][row], alone)
+    with torch.no_grad():
+        whole = model(prompts[0][None])[:, -1]
+    cut = model.generate(prompts[0][None], 1, temperature=0)[0, -1]
+    assert cut == whole.argmax(-1)[0]
+
+
+def test_memory_does_not_grow_with_max_new_tokens():
+    """Tokens are kept only as far back as any step reads: asking for 2**62 allocates nothing more,
+    and the first tokens come at once."""
+    model = tiny_model()
+    tokens = stream(model, torch.zeros(1, 2, dtype=torch.long), 2**62, temperature=0)
+    first = [next(tokens) for _ in range(60)]  # 2.5x block_size: the buffer moved its last 24 forward
+    reference = model.generate(torch.zeros(1, 2, dtype=torch.long), 60, temperature=0)[0, 2:]
+    assert torch.equal(torch.cat(first), reference)
+
+
+def test_split_loss_checks_its_arguments_and_batches_as_asked():
+    model = tiny_model()
+    tokens = torch.randint(0, 37, (200,))
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].size(0)))
+    losses = [split_loss(model, tokens, windows_per_batch=n) for n in (1, 3, 64)]
+    hook.remove()
+    assert widths == [1] * 9 + [3] * 3 + [9]  # 199 targets: 9 windows of 24, at most n per forward
+    assert losses == pytest.approx([losses[0]] * 3, abs=1e-6)
+    for bad, message in [({"tokens": tokens.float()}, "tokens must be a 1-D split of 2 token ids"),
+                         ({"windows_per_batch": 0}, "windows_per_batch must be an integer >= 1"),
+                         ({"kv_dtype": torch.int32}, "kv_dtype must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            split_loss(model, **({"tokens": tokens} | bad))

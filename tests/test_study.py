@@ -81,3 +81,21 @@ def test_pareto_front_keeps_the_rows_nothing_beats_on_both_axes():
     rows = {"big_good": row(1.80, 0.01, 4096), "small_bad": row(1.90, 0.01, 512),
             "dominated": row(1.95, 0.01, 1024), "middle": row(1.85, 0.01, 1280)}
     assert pareto_front(rows) == ["small_bad", "middle", "big_good"]
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["study.variants=[mha,mqa]", "study.window=[]"], "the mqa row would train a model with n_kv_head=4, "),
+    (["study.variants=[mha]", "study.window=[mha]"], "the mha row would train a model with attn_window=None"),
+    (["study.variants=[mha,mla]", "study.window=[]"], "the mla row would train a model with mla_latent_dim="),
+], ids=["mqa", "window", "mla"])
+def test_every_row_is_the_variant_it_names_or_the_study_is_refused(overrides, message, tiny_run, tiny_ckpt,
+                                                                    tmp_path):
+    """init_from gives a run its checkpoint's architecture: from an MHA run, every row would be that
+    MHA model under another name. The study stops before any row trains; train.resume too."""
+    cfg = compose(*tiny_run, f"init_from={tiny_ckpt}", *overrides, config_name="study")
+    with pytest.raises(ValueError, match=rf"^study: {message}.*init_from={tiny_ckpt} gives every row"):
+        run_study(cfg, tmp_path)
+    cfg = compose(*tiny_run, f"train.resume={tiny_ckpt}", "study.variants=[mha]", config_name="study")
+    with pytest.raises(ValueError, match="a study trains every row from scratch, each seed its own run"):
+        run_study(cfg, tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -15,7 +15,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from model import checkpoint
+from model import GPT, checkpoint
 from model.command_line import changed_on_command_line, resumed_config
 from model.run_dir import run_files
 from tests.helpers import (
@@ -49,11 +49,17 @@ STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
         "-c", "import sys; from tests.helpers import compose, train_checked; "
               f"train_checked(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
               "print('wandb' in sys.modules)"),
-    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *tiny_run,
-        "train.batch_size=4", "train.full_val=true", f"hydra.run.dir={run_dir}",
+    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli("-c", DDP_RUNS.format(
+        tiny_run=[*tiny_run, "train.batch_size=4", "train.full_val=true"], run_dir=str(run_dir)),
         env={"OMP_NUM_THREADS": "1"}),
 }
+# A torchrun job with 2 processes into run_dir/two, then resumed, again in 2, into run_dir/resumed:
+# the resumed job once hung at exit 1 time in 3 (the DDP wrapper outlived its process group).
+DDP_RUNS = """import subprocess, sys
+torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+code = subprocess.run([*torchrun, *{tiny_run!r}, "hydra.run.dir={run_dir}/two"]).returncode
+sys.exit(code or subprocess.run([*torchrun, "train.resume={run_dir}/two", "train.max_iters=14",
+                                 "hydra.run.dir={run_dir}/resumed"], timeout=120).returncode)"""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,6 +122,32 @@ def test_resume_is_bit_identical(tiny_run, tmp_path):
     assert straight["best_val"] == checkpoint.load(tmp_path / "second").best_val
     a, b = checkpoint.load(tmp_path / "straight"), checkpoint.load(tmp_path / "second")
     assert all(torch.equal(a.model[k], b.model[k]) for k in a.model)
+
+
+def test_what_would_fail_at_the_end_of_a_run_adapts_and_memory_stays_a_batchs(tiny_run, tmp_path, capsys):
+    """A window with learned positions generates only to block_size (32), and a corpus without a
+    newline has none to start the sample from: the sample adapts instead of failing once the
+    training is done. No forward, the whole val split's included, runs more than a batch's rows
+    (train.batch_size). Resumed, a run that does not beat its val names the checkpoint it has."""
+    corpus = tmp_path / "one_line.txt"
+    corpus.write_text("to be or not to be that is the question " * 400)
+    rows = []
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: rows.append(args[0].size(0)) if isinstance(module, GPT) else None)
+    try:
+        overrides = [*tiny_run, "model.attn_window=8", "train.sample_tokens=100", "train.full_val=true",
+                     "data=text_files", f"data.path={corpus}"]
+        summary = train_checked(compose(*overrides), tmp_path / "run")
+    finally:
+        hook.remove()
+    sample = capsys.readouterr().out.split("--- sample ---")[1].split("\n--- end of sample ---")[0]
+    assert len(sample) == 32 and sample[0] == " "  # the prompt: the vocabulary's first character
+    assert summary["val_loss_full"] > 0 and max(rows) == 4 and rows.count(4) > 12  # batch_size 4
+    resumed = train_checked(compose(*overrides, f"train.resume={tmp_path / 'run'}"), tmp_path / "resumed")
+    assert resumed["checkpoint"] == tmp_path / "resumed" / "ckpt.pt" and resumed["checkpoint"].is_file()
+    assert resumed["best_val"] == summary["best_val"]
+    out = capsys.readouterr().out
+    assert f"(from before the resume); checkpoint: {tmp_path / 'resumed' / 'ckpt.pt'}" in out
 
 
 def train_command_line(run_dir, *overrides: str) -> dict:
@@ -383,8 +415,8 @@ def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
     one = run_in_process("train.py", *tiny_run, "train.batch_size=8", "train.full_val=true",
                          f"hydra.run.dir={tmp_path}")
     assert one.returncode == 0, one.stderr
-    two, two_dir = early_run
-    two = finish(two)
+    two, early_dir = early_run
+    two, two_dir = finish(two), early_dir / "two"
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = read_metrics(tmp_path), read_metrics(two_dir)
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
@@ -393,13 +425,14 @@ def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
             if key in x:
                 assert abs(x[key] - y[key]) < 1e-4, (x, y)
     # Each rank saved its own RNG state, seeded apart (its own dropout masks), and a run saved by
-    # two processes resumes in one.
+    # two processes resumes in one, as in two (DDP_RUNS).
     processes = checkpoint.load(two_dir).rng["processes"]
     assert len(processes) == 2 and not torch.equal(processes[0]["torch"], processes[1]["torch"])
     resumed = run_in_process("train.py", f"train.resume={two_dir}", "train.max_iters=14",
                              f"hydra.run.dir={tmp_path / 'resumed'}")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert read_metrics(tmp_path / "resumed")[-1]["step"] == 14
+    steps = [m["step"] for m in read_metrics(tmp_path / "resumed")]
+    assert steps[-1] == 14 and steps == [m["step"] for m in read_metrics(early_dir / "resumed")]
 
 
 @pytest.mark.slow
