@@ -262,7 +262,9 @@ def variants_section(device: torch.device, smoke: bool, out: Path) -> list[dict]
             tokens_per_s, peak = variant_speed(config, batch, device, dtype, steps)
             rows.append({"variant": name, "batch": batch, "tokens_per_s": tokens_per_s, "peak_bytes": peak,
                          "kv_bytes_per_token": config.kv_cache_formula()})
-    print(f"\n### Decode at a full cache ({width['block_size']} positions), {dtype}: tokens/s, peak GB\n")
+    kind = "the compiled step (CUDA graphs)" if device.type == "cuda" else "the eager step"
+    print(f"\n### Decode at a full cache ({width['block_size']} positions), {dtype}, {kind}, {steps} steps "
+          f"timed: tokens/s counting every row of the batch, peak GB\n")
     print("| variant | " + " | ".join(f"batch {b}" for b in batches) + " |")
     print("| --- |" + " --- |" * len(batches))
     for name in VARIANTS:

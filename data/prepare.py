@@ -26,7 +26,7 @@ import numpy as np
 from hydra.core.config_store import ConfigStore
 
 from data.tokenizer import BPETokenizer, CharTokenizer, meta_vocab_size
-from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, one_line
+from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 
 FORMAT_VERSION = 2  # 2: paths with glob characters were dropped by datasets in 1; prepared again
 TOKENIZERS = ("char", "bpe")
@@ -220,8 +220,7 @@ def load_prepared(prepared_dir: Path):
         train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
         check_prepared(meta, train, val)
     except ValueError as e:  # json's or numpy's complaint about a damaged file, or ours
-        raise ValueError(f"{prepared_dir} is damaged ({one_line(e)}): delete it and it is prepared "
-                         f"again") from e
+        raise ValueError(f"{prepared_dir} is damaged ({e}): delete it and it is prepared again") from e
     return meta, train, val
 
 

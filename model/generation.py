@@ -71,8 +71,8 @@ def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decod
     c, device = model.config, model.wte.weight.device
     vocab = c.vocab_size
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.size(1) == 0 or idx.is_floating_point():
-        raise ValueError(f"idx must be a (B, T) tensor of token ids with T >= 1, got "
-                         f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}")
+        raise ValueError("idx must be a (B, T) tensor of token ids with T >= 1, got " + (
+            f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__))
     if idx.numel() and not 0 <= int(idx.min()) <= int(idx.max()) < vocab:
         raise ValueError(f"idx: token ids must be in 0..{vocab - 1} (the model's vocabulary), got "
                          f"{int(idx.min())}..{int(idx.max())}")
@@ -134,12 +134,11 @@ def left_pad(prompts, device):
     """A (B, T) tensor as is, or a list of 1-D prompts left-padded with zeros into one.
     Returns (idx, pad) where pad (B,) counts the padding of each row, or None."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.size(1) == 0:
-            raise ValueError(f"prompts must be (B, T) with T >= 1, got shape {tuple(prompts.shape)}")
-        return prompts.to(device), None
-    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
-    if not rows or min(len(r) for r in rows) == 0:
-        raise ValueError("every prompt needs at least one token")
+        return prompts.to(device), None  # (checked by stream)
+    rows = [torch.as_tensor(p).flatten() for p in prompts]
+    if not rows or any(len(r) == 0 or r.is_floating_point() or r.is_complex() for r in rows):
+        raise ValueError("idx: every prompt of a list needs one token id or more (integers)")
+    rows = [r.long() for r in rows]
     T = max(len(r) for r in rows)
     idx = torch.zeros(len(rows), T, dtype=torch.long)                   # (B, T)
     for b, r in enumerate(rows):
