@@ -24,6 +24,10 @@ checkpoint is evaluated on its whole val split in each precision.
 5. The KV cache's precision (`--sections kv`): cached one-token steps of the char model's shape
    at 1024 positions, batch 1 and 64, with the cache in float32, bfloat16 and int8 (float32
    weights), the three measured in turn, round after round, and each one's median reported.
+6. A long prompt (`--sections long`): 30,000 tokens and 5 new ones on the CPU main job's shape
+   (4/4/128, RoPE, block 64), with full attention (which crops the prompt to the block) and with a
+   window of 16 (which runs its receptive field, 4 x 15 + 1 tokens), cached and uncached: seconds
+   and peak memory, each in a fresh process.
 """
 
 import argparse
@@ -220,12 +224,36 @@ def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> N
         print(f"| {name} | {size:,} | " + " | ".join(cells) + " |")
 
 
+LONG_PROMPT = """import resource, time, torch
+from model import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, pos_emb="rope",
+                      attn_window={window})).eval()
+prompt = torch.randint(0, 65, (1, {length}))
+t0 = time.perf_counter()
+model.generate(prompt, {new}, temperature=0, kv_cache={kv_cache})
+print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"""
+
+
+def long_prompt(length: int = 30_000, new: int = 5) -> None:
+    print(f"\n### A {length:,}-token prompt, {new} new tokens: the CPU main job's shape (4/4/128, RoPE, "
+          f"block 64), random weights, {torch.get_num_threads()} threads, each row a fresh process\n")
+    print("| attention | kv cache | seconds | peak memory (max RSS) GB |\n| --- | --- | --- | --- |")
+    for name, window in (("full (crops to the block)", None), ("window 16 (receptive field 61)", 16)):
+        for kv_cache in (True, False):
+            code = LONG_PROMPT.format(window=window, length=length, new=new, kv_cache=kv_cache)
+            seconds, peak = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                                           text=True, check=True).stdout.split()
+            print(f"| {name} | {'on' if kv_cache else 'off'} | {float(seconds):.2f} | "
+                  f"{int(peak) / 1e9:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    sections = ["char", "main", "compile", "threads", "kv"]
+    sections = ["char", "main", "compile", "threads", "kv", "long"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     if args.threads:
@@ -236,7 +264,8 @@ def main() -> None:
 def run(args) -> None:
     if "char" in args.sections:
         char_shape(args.new)
-    ckpt = args.ckpt or str(latest_run("outputs"))
+    needs_ckpt = {"main", "compile", "threads"} & set(args.sections)
+    ckpt = args.ckpt or (str(latest_run("outputs")) if needs_ckpt else None)
     if "main" in args.sections:
         main_job(ckpt, args.new)  # a non-Llama model: one-line error
     if "compile" in args.sections:
@@ -245,6 +274,8 @@ def run(args) -> None:
         threads(ckpt, args.new)
     if "kv" in args.sections:
         cache_precisions()
+    if "long" in args.sections:
+        long_prompt()
 
 
 if __name__ == "__main__":

@@ -141,9 +141,9 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
         """A cache sized for this model, on its device, handing attention its dtype; it stores in
         `dtype` (by default the model's; else float32, bfloat16 or int8, a torch dtype or its name;
-        int8: one scale per position and K/V head). max_len
-        (default block_size) is the positions the cache must hold; a sliding-window model holds at
-        most its window, in a ring that takes positions without end."""
+        int8: one scale per position and K/V head). max_len (default block_size) is the positions
+        the cache must hold; a sliding-window model holds at most its window, in a ring that takes
+        positions without end."""
         c = self.config
         max_len = c.block_size if max_len is None else max_len
         check_integer(batch_size, "batch_size", 1)
