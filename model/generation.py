@@ -77,9 +77,10 @@ def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decod
         raise ValueError(f"idx: token ids must be in 0..{vocab - 1} (the model's vocabulary), got "
                          f"{int(idx.min())}..{int(idx.max())}")
     B, T = idx.shape
-    if max_new_tokens > new_tokens_allowed(c, T):
+    if max_new_tokens > (allowed := new_tokens_allowed(c, T)):
         raise ValueError(f"{T} prompt + {max_new_tokens} new tokens exceed block_size={c.block_size}: "
-                         f"past it, a sliding-window model (attn_window) needs pos_emb=rope, not learned")
+                         f"a sliding-window model (attn_window) with learned positions generates at most "
+                         f"max_new_tokens={allowed} here (with pos_emb=rope, without end)")
     if pad is not None and (pad.shape != (B,) or not 0 <= int(pad.min()) <= int(pad.max()) < T):
         raise ValueError(f"pad must be ({B},): each row's count of padding, below T={T}")
     generators = generator if isinstance(generator, (list, tuple)) else [generator]

@@ -52,8 +52,8 @@ def test_a_window_model_generates_past_block_size_cached_as_uncached(attention, 
 def test_learned_positions_end_generation_with_a_window_at_block_size():
     model = tiny_model(attn_window=6)
     assert model.generate(torch.zeros(1, 4, dtype=torch.long), 20, temperature=0).shape == (1, 24)
-    with pytest.raises(ValueError, match=r"exceed block_size=24: past it, a sliding-window model "
-                                         r"\(attn_window\) needs pos_emb=rope"):
+    with pytest.raises(ValueError, match=r"exceed block_size=24: a sliding-window model \(attn_window\) "
+                                         r"with learned positions generates at most max_new_tokens=20"):
         model.generate(torch.zeros(1, 4, dtype=torch.long), 21, temperature=0)
 
 
