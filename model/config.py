@@ -149,6 +149,11 @@ def is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_real(value) -> bool:
+    """A real number of any kind (int, float, numpy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_integer_fields(config, prefix: str) -> None:
     """Every integer of a dataclass's int fields (int, int | None, list[int]) fits in torch's int64:
     a config holds no number that would overflow where it is used."""

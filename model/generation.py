@@ -11,13 +11,12 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.config import check_integer
+from model.config import check_integer, is_real
 from model.device import DTYPES, decode_precision, pick_device, synchronized_clock
 from model.kv_cache import storage_dtype
 from model.quantize import quantize_int8
@@ -56,11 +55,6 @@ def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None)
         check_integer(top_k, "top_k", 1)
     if top_p is not None and (not is_real(top_p) or not 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-
-
-def is_real(value) -> bool:
-    """A real number of any kind (int, float, numpy's), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decode_step, kv_dtype, pad=None):
