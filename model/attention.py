@@ -20,6 +20,16 @@ def causal_mask(T: int, S: int, device=None, window: int | None = None) -> torch
     return mask if window is None else mask.triu(diagonal=S - T - window + 1)
 
 
+def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) -> torch.Tensor:
+    """A mask for scores (B, n_kv_head * n_rep, T, S) as one for the same scores with the query
+    heads folded, (B, n_kv_head, n_rep * T, S): query head h = kv * n_rep + r becomes query r * T + t
+    of K/V head kv. `mask` broadcasts to the first: (S,), (T, S), (B, 1, T, S), (B, n_head, T, S)."""
+    mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape)               # (B or 1, 1 or n_head, ., S)
+    if mask.size(1) == 1:  # the same for every head: repeated for the n_rep queries of each K/V head
+        return mask.unsqueeze(2).expand(-1, 1, n_rep, T, S).reshape(-1, 1, n_rep * T, S)
+    return mask.expand(-1, -1, T, S).reshape(-1, n_kv_head, n_rep * T, S)
+
+
 def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.0, backend="sdpa",
            return_weights=False, scale=None):
     """q (B, n_head, T, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, T, d_v).
@@ -47,8 +57,17 @@ def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.
         if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
             causal = causal_mask(T, S, q.device, window)
             mask = causal if mask is None else mask & causal
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              scale=scale, enable_gqa=n_kv_head != n_head)
+        if n_kv_head == n_head:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        # GQA, MQA, absorbed MLA: the n_rep query heads of a K/V head become n_rep x T queries of it,
+        # an MHA-shaped call that every fused kernel takes with a mask (none takes enable_gqa and a
+        # mask in PyTorch 2.11: its math fallback copies K and V per query head).
+        n_rep = n_head // n_kv_head
+        q = q.reshape(B, n_kv_head, n_rep * T, d_k)                        # (B, n_kv_head, n_rep*T, d_k)
+        if mask is not None:
+            mask = fold_mask(mask, n_kv_head, n_rep, T, S)                # (B or 1, ., n_rep*T, S)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+        return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
     if backend != "naive":
         raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
 

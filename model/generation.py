@@ -285,11 +285,14 @@ def make_room(model, tokens, cache, pad):
 
 
 def decode_backends(device: torch.device) -> list[SDPBackend]:
-    """The SDPA kernels a compiled decode step may use. On CPU, one query against the cache is
-    faster as SDPA's math formulation (which inductor fuses) than through its flash kernel."""
-    if device.type == "cpu":
+    """The SDPA kernels a compiled decode step may use, in the order it prefers them. On CPU, one
+    query against the cache is faster as SDPA's math formulation (which inductor fuses) than through
+    its flash kernel. On CUDA the step always passes a mask (the static cache's unwritten slots),
+    which flash refuses: memory-efficient attention takes it, at any head width that is a multiple
+    of 8 (MLA's 288 too), and `attend` folds GQA's query heads so that it needs no enable_gqa."""
+    if device.type != "cuda":
         return [SDPBackend.MATH]
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
             SDPBackend.MATH]
 
 
@@ -317,7 +320,7 @@ class CompiledDecodeStep:
         self.on_cuda, backends = device.type == "cuda", decode_backends(device)
 
         def logits_at(token, input_pos, cache, pad):
-            with sdpa_kernel(backends):
+            with sdpa_kernel(backends, set_priority=True):
                 return model.logits_at(token, input_pos, cache, pad)
 
         # A code object of its own: dynamo keeps the graphs of one code object together, up to its

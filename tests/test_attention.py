@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model import attend
+from model.attention import causal_mask
 from tests.helpers import VARIANTS
 
 
@@ -40,6 +41,35 @@ def test_grouped_attention_equals_mha_on_repeated_kv(backend, n_kv_head):
     grouped = attend(q, k, v, backend=backend)
     repeated = attend(q, k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1), backend=backend)
     torch.testing.assert_close(grouped, repeated, atol=1e-6, rtol=0)
+
+
+MASKS = {  # the masks attend is given or builds, by shape (B=2, n_head=4 or 12, T=3, S=9)
+    "none": lambda g, H: None,
+    "(T, S)": lambda g, H: torch.rand(3, 9, generator=g) > 0.4,
+    "(B, 1, T, S)": lambda g, H: torch.rand(2, 1, 3, 9, generator=g) > 0.4,
+    "(B, n_head, T, S)": lambda g, H: torch.rand(2, H, 3, 9, generator=g) > 0.4,
+}
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASKS.keys())
+@pytest.mark.parametrize("n_head,n_kv_head,T", [(4, 2, 3), (4, 1, 3), (12, 4, 1), (12, 1, 1), (12, 3, 3)])
+@pytest.mark.parametrize("window", [None, 4])
+def test_folded_query_heads_equal_sdpa_with_enable_gqa(mask, n_head, n_kv_head, T, window):
+    """GQA/MQA through SDPA with a mask: attend folds the query heads of each K/V head into its
+    queries (an MHA-shaped call that the fused kernels take). The same numbers as SDPA's own
+    enable_gqa (the formulation before) and as the naive backend, every mask shape."""
+    g = torch.Generator().manual_seed(n_head * 10 + n_kv_head + T)
+    q = torch.randn(2, n_head, T, 8, generator=g)
+    k, v = torch.randn(2, 2, n_kv_head, 9, 8, generator=g).unbind(0)
+    allowed = MASKS[mask](g, n_head)
+    if allowed is not None:  # every query sees its own position (S - T + t): no row without a key
+        allowed = allowed[..., :T, :] | torch.eye(9, dtype=torch.bool)[9 - T:]
+    folded = attend(q, k, v, attn_mask=allowed, window=window)
+    combined = causal_mask(T, 9, window=window) & (True if allowed is None else allowed)
+    before = F.scaled_dot_product_attention(q, k, v, attn_mask=combined, enable_gqa=True)
+    torch.testing.assert_close(folded, before, atol=1e-6, rtol=0)
+    torch.testing.assert_close(folded, attend(q, k, v, attn_mask=allowed, window=window, backend="naive"),
+                               atol=1e-6, rtol=0)
 
 
 def test_attend_equals_textbook_formula():
