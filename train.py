@@ -5,8 +5,8 @@
     python train.py -m attention=mha,gqa,mqa          # a sweep, in multirun/
     torchrun --nproc_per_node=2 train.py ...          # DDP (NCCL on GPU, gloo on CPU)
 
-In nanoGPT's order: the config and its checks, the model and optimizer, the loop, evaluate and
-save. From Python: train(check_options(cfg), run_dir).
+In nanoGPT's order: config and checks, model and optimizer, loop, evaluate and save. From Python:
+train(check_options(cfg), run_dir).
 """
 
 import os
@@ -71,14 +71,15 @@ class TrainConfig:
     log_interval: int = 10
     sample_tokens: int = 300      # the sample printed at the end
     resume: str | None = None     # a run dir or checkpoint file to continue
-    peak_tflops: float = 989.0    # the device's bf16 peak, for MFU (H100 SXM dense)
+    checkpoints: bool = True      # false: none at evaluations or the end (timing runs); signals still save
+    peak_tflops: float | None = None  # the GPU's dense bf16 peak for MFU; None: from its name
 
     def __post_init__(self):
         check_integer_fields(self, "train.")
         rules = {">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
                  ">= 0": (lambda v: v >= 0, "seed max_iters warmup_iters lr_decay_iters min_lr weight_decay "
                                             "grad_clip sample_tokens"),
-                 "> 0": (lambda v: v > 0, "lr peak_tflops"),
+                 "> 0": (lambda v: v is None or v > 0, "lr peak_tflops"),
                  "in [0, 1)": (lambda v: 0 <= v < 1, "beta1 beta2"),
                  "one of auto, float32, bfloat16": (lambda v: v in ("auto", "float32", "bfloat16"), "dtype"),
                  "one of auto, true, false": (lambda v: v == "auto" or isinstance(v, bool), "compile")}
@@ -115,7 +116,9 @@ class TrainingState:
     best_val: float = math.inf
     last_saved: Path | None = None
 
-    def save(self, name: str) -> Path:  # every rank calls it (their RNG states); rank 0 writes
+    def save(self, name: str, stopping: bool = False) -> Path | None:  # every rank calls it; rank 0 writes
+        if not (self.run.train.checkpoints or stopping):
+            return None  # train.checkpoints=false: a timing run saves only when stopped by a signal
         path, processes = self.run_dir / name, checkpoint.rng_states_of_ranks(self.device)
         if self.rank == 0:
             checkpoint.save(path, checkpoint.Checkpoint(
@@ -141,8 +144,7 @@ def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
         model.load_state_dict(run.source.model)  # checked against its config by check_options
     model.to(device)
     optimizer = configure_optimizer(model, cfg.optimizer, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
-    # Every rank draws the same global batch and takes its own slice of it, so N processes see
-    # exactly the batches one process would with N times the batch size.
+    # Every rank draws the same global batch and trains on its slice: N processes = one with N x the batch.
     batches = partial(Batches, block_size=run.model.block_size, batch_size=cfg.batch_size * world_size,
                       device=device, seed=cfg.seed, on_device=run.data.on_device)
     train_batches = batches(train_tokens)
@@ -192,7 +194,7 @@ def train(run: RunConfig, run_dir) -> dict:
         state, model, eval_batches = build(run, run_dir, device, rank, world_size)
         amp, rows = autocast(device, cfg.dtype), slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
         speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(), world_size,
-                           cfg.peak_tflops * 1e12 if device.type == "cuda" else None)  # MFU on GPUs only
+                           cfg.peak_tflops and cfg.peak_tflops * 1e12)  # None: a GPU's from its name
         with stop_requests() as stop:
             while True:
                 if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
@@ -257,7 +259,7 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
                f"({len(val_tokens):,} tokens)")
     log.close()
     if stop:
-        path = state.save("ckpt.pt")
+        path = state.save("ckpt.pt", stopping=True)
         print0(f"{signal.Signals(stop[0]).name}: saved {path} at step {state.step}; continue with: "
                f"python train.py train.resume={run_dir}")
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
@@ -268,8 +270,8 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
             ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
             print0(f"--- sample ---{tok.decode(ids)}\n--- end of sample ---")
     best = run_dir / "best.pt" if (run_dir / "best.pt").is_file() else state.last_saved  # resumed, not beaten
-    print0(f"best val loss {state.best_val:.4f}{' (from before the resume)' * (best.name != 'best.pt')}; "
-           f"checkpoint: {best}")
+    note = " (from before the resume)" if best and best.name != "best.pt" else ""
+    print0(f"best val loss {state.best_val:.4f}{note}; checkpoint: {best or 'none (checkpoints=false)'}")
     return {"step": state.step, "best_val": state.best_val, "val_loss_full": full_val, "checkpoint": best,
             "run_dir": run_dir}
 

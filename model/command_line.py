@@ -58,7 +58,8 @@ def exit_on_user_error(fn, *args, **kwargs):
         bug = isinstance(e, ValueError) and raised_inside_torch(e)
         if bug or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        sys.exit(f"error: {one_line(e)}")
+        # Under torchrun every process checks the same options: the first one says what is wrong.
+        sys.exit(f"error: {one_line(e)}" if int(os.environ.get("RANK", 0)) == 0 else 1)
     finally:
         if replace:
             signal.signal(signal.SIGINT, previous)
@@ -248,6 +249,7 @@ def changed_on_command_line(cfg: DictConfig, overrides: list[str], config_dir) -
 AUTO_RECIPES = {
     "cuda": ("shakespeare_char_gpu", "training on CUDA: the GPU recipe"),
     "cpu": ("shakespeare_char_cpu_fast", "training on the CPU: the CPU recipe, 1-3 minutes on 2 cores"),
+    "mps": ("shakespeare_char_cpu_fast", "training on Apple's MPS: the CPU recipe's small model"),
 }
 
 
@@ -262,6 +264,7 @@ def with_default_experiment(argv: list[str], cuda_available: bool | None = None)
         return argv
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     device = given.get("train.device", "auto").strip("'\"")
-    recipe, why = AUTO_RECIPES["cuda" if device.startswith("cuda") or (device == "auto" and cuda) else "cpu"]
+    kind = "cuda" if device.startswith("cuda") or (device == "auto" and cuda) else device
+    recipe, why = AUTO_RECIPES.get(kind, AUTO_RECIPES["cpu"])
     print(f"recipe: experiment={recipe} ({why}); choose another with experiment=...", flush=True)
     return [*argv, f"experiment={recipe}"]

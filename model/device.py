@@ -1,6 +1,7 @@
-"""Where and in what precision a model runs: the device a name picks, the processes of a
-torchrun job (and printing from the first), training's autocast, the precision a model decodes
-in, a clock that waits for the device, and training throughput (tokens/s, MFU) measured with it."""
+"""Where and in what precision a model runs: the device a name picks (CPU, CUDA, Apple's MPS), the
+processes of a torchrun job (and printing from the first), training's autocast, the precision a
+model decodes in, a clock that waits for the device, and training throughput (tokens/s, MFU, the
+GPU's peak read from its name) measured with it."""
 
 import atexit
 import gc
@@ -17,18 +18,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def check_device(device: str) -> str:
-    """A device name this project runs on: auto, cpu, cuda or cuda:N (whether CUDA is there is
-    checked when the device is picked)."""
-    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(device)):
-        raise ValueError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N")
+    """A device name this project runs on: auto, cpu, cuda, cuda:N or mps (whether the device is
+    there is checked when it is picked)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", str(device)):
+        raise ValueError(f"device={device!r} is not one of auto, cpu, cuda, cuda:N, mps")
     return device
 
 
 def pick_device(device: str = "auto") -> torch.device:
-    """`auto` is CUDA when it is available, else the CPU."""
+    """`auto` is CUDA when it is available, else the CPU (never MPS: it is asked for by name)."""
     if check_device(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     picked = torch.device(device)
+    if picked.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device=mps but PyTorch's MPS backend is not available here (it needs Apple "
+                         "Silicon and macOS 12.3 or later): use device=cpu or auto")
     if picked.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device} but CUDA is not available: use device=cpu or auto")
     if picked.type == "cuda" and picked.index is not None and picked.index >= torch.cuda.device_count():
@@ -36,10 +40,26 @@ def pick_device(device: str = "auto") -> torch.device:
     return picked
 
 
+def check_processes(device: torch.device, processes: int, cuda_devices: int) -> None:
+    """A torchrun job's `processes` on this machine (--nproc_per_node) fit its devices: one CUDA
+    device each (NCCL), any number on the CPU (gloo), and none beside the first on MPS, which has
+    no process-group backend."""
+    if processes > 1 and device.type == "mps":
+        raise ValueError(f"torchrun --nproc_per_node={processes} with device=mps: MPS has no "
+                         f"process-group backend (NCCL is CUDA's, gloo the CPU's); run one process")
+    if device.type == "cuda" and processes > cuda_devices:
+        raise ValueError(f"torchrun --nproc_per_node={processes} starts {processes} processes on this "
+                         f"machine, which has {cuda_devices} CUDA device{'s' * (cuda_devices != 1)}: one "
+                         f"process per GPU, so --nproc_per_node={cuda_devices} at most (or device=cpu)")
+
+
 def memory_bytes(device: torch.device) -> int:
-    """The memory a device has: the GPU's, or the machine's RAM for the CPU."""
+    """The memory a device has: the GPU's, MPS's working set (shared with the machine), or the
+    machine's RAM for the CPU."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "mps":
+        return torch.mps.recommended_max_memory()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -104,15 +124,16 @@ def decode_precision(device: torch.device, dtype: str = "auto", quantize: str | 
     """(dtype, quantize) to decode a model of n_params parameters in. `auto` picks the fastest
     precision whose val loss stays within 0.01 of float32's (benchmarks/decode.py measures both):
     on a CPU int8 weights with bfloat16 activations from INT8_FROM_PARAMS parameters, float32
-    below; on CUDA bfloat16 (int8 is refused there). dtype=float32 is the exact path: quantize=auto
-    then stays off. int8 runs with bfloat16 activations on a CPU (the kernel's vectorised path)."""
+    below; on CUDA bfloat16; on MPS float32 (int8 weights are refused on both). dtype=float32 is the
+    exact path: quantize=auto then stays off. int8 runs with bfloat16 activations on a CPU (the
+    kernel's vectorised path)."""
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in (None, "auto", "int8"):
         raise ValueError(f"quantize must be null, auto or int8, got {quantize!r}")
-    if quantize == "int8" and device.type == "cuda":
-        raise ValueError("quantize=int8 is for CPUs: on CUDA PyTorch runs it with a slow reference "
-                         "kernel; use quantize=null (bfloat16 is the default there)")
+    if quantize == "int8" and device.type != "cpu":
+        raise ValueError(f"quantize=int8 is for CPUs, not {device.type} (its int8 kernel is measured only "
+                         f"there; on CUDA PyTorch runs it with a slow reference kernel): use quantize=null")
     if quantize == "auto":
         big = n_params >= INT8_FROM_PARAMS
         quantize = "int8" if device.type == "cpu" and dtype in ("auto", "bfloat16") and big else None
@@ -122,7 +143,7 @@ def decode_precision(device: torch.device, dtype: str = "auto", quantize: str | 
 
 
 def autocast(device: torch.device, dtype: str = "auto"):
-    """The training precision: bf16 autocast on CUDA by default, plain float32 on CPU."""
+    """The training precision: bf16 autocast on CUDA by default, plain float32 on the CPU and MPS."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     if DTYPES[dtype] == torch.float32:
@@ -131,27 +152,43 @@ def autocast(device: torch.device, dtype: str = "auto"):
 
 
 def synchronized_clock(device: torch.device):
-    """time.perf_counter that first waits for the device's queued work (CUDA runs async)."""
-    if device.type != "cuda":
+    """time.perf_counter that first waits for the device's queued work (CUDA and MPS run async)."""
+    if device.type not in ("cuda", "mps"):
         return time.perf_counter
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else torch.mps.synchronize
 
     def clock():
-        torch.cuda.synchronize(device)
+        synchronize()
         return time.perf_counter()
 
     return clock
+
+
+# Dense bf16 peaks (TFLOP/s, NVIDIA's datasheets), matched in this order in the device's name:
+# the NVL and PCIe cards of a generation run slower clocks than its SXM one.
+PEAK_BF16_TFLOPS = (("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+                    ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a GPU named `device_name` (torch.cuda.get_device_name), or None for
+    one not in PEAK_BF16_TFLOPS (then MFU needs train.peak_tflops)."""
+    return next((tflops for model, tflops in PEAK_BF16_TFLOPS if model in device_name), None)
 
 
 class Throughput:
     """Training tokens/s and MFU (model FLOPs utilisation) over a window of steps. Each reading
     closes a window and opens the next; the first window opens when the first step (which
     compiles) ends, and `restart` (after an evaluation) opens a new one, so neither is counted.
-    MFU is per device: the run's tokens/s over world_size devices of peak_flops each."""
+    MFU is per device: the run's tokens/s over world_size devices of peak_flops each (by default a
+    CUDA device's from its name; none on other devices)."""
 
     def __init__(self, tokens_per_step: int, device: torch.device, flops_per_token: float = 0.0,
                  world_size: int = 1, peak_flops: float | None = None):
         self.tokens_per_step, self.clock = tokens_per_step, synchronized_clock(device)
         self.flops_per_device = flops_per_token / world_size
+        if peak_flops is None and device.type == "cuda":
+            peak_flops = (peak_tflops(torch.cuda.get_device_name(device)) or 0) * 1e12
         self.peak_flops = peak_flops
         self.steps, self.start = None, None  # the first step has not ended
 

@@ -34,21 +34,24 @@ def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[flo
                               lr=lr, betas=betas, fused=fused)
     if not on_muon:
         return adamw
-    on_cpu = params[on_muon[0]].device.type == "cpu"
-    muon = (Float32Muon if on_cpu else torch.optim.Muon)([params[n] for n in on_muon], lr=lr,
-                                                         weight_decay=weight_decay, momentum=0.95,
-                                                         adjust_lr_fn="match_rms_adamw")
+    muon = BatchedMuon([params[n] for n in on_muon], lr=lr, weight_decay=weight_decay, momentum=0.95,
+                       adjust_lr_fn="match_rms_adamw")
     return MuonAndAdamW(muon, adamw)
 
 
-class Float32Muon(torch.optim.Muon):
-    """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration in float32, and run on all the
-    matrices of one shape at once (a batched matrix product instead of one per matrix). PyTorch's
-    runs it in bfloat16, which a CPU without bf16 matrix instructions emulates (a training step of
-    the CPU main job took 8x AdamW's on such a CPU, AVX2), and which is no faster on one with them
-    (AVX512-BF16: the CPU main job took 63-72 s, against 59-65 s with this; benchmarks/RESULTS.md). Same
-    hyperparameters, state ("momentum_buffer") and update; only the iteration's precision and
-    batching differ (PyTorch has no option for either)."""
+class BatchedMuon(torch.optim.Muon):
+    """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration run on all the matrices of
+    one shape at once: a batched matrix product instead of one per matrix, a few kernel launches a
+    step instead of ~40 per matrix (a GPU's launch overhead at this model size). On a GPU in
+    bfloat16, as PyTorch's; on a CPU in float32: one without bf16 matrix instructions (AVX2)
+    emulates them, a step of the CPU main job taking 8x AdamW's, and one with them (AVX512-BF16) ran
+    the main job no faster (63-72 s against 59-65 s in float32; benchmarks/RESULTS.md). Same
+    hyperparameters, state ("momentum_buffer") and update; only the batching and, on a CPU, the
+    precision differ (PyTorch has no option for either). `ns_dtype` overrides the precision."""
+
+    def __init__(self, params, ns_dtype: torch.dtype | None = None, **muon_options):
+        super().__init__(params, **muon_options)
+        self.ns_dtype = ns_dtype
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -66,18 +69,20 @@ class Float32Muon(torch.optim.Muon):
                 shapes.setdefault(p.shape, []).append(i)
             for indices in shapes.values():
                 stack = torch.stack([updates[i] for i in indices])       # (n, A, B)
-                ortho = newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                dtype = self.ns_dtype or (torch.float32 if stack.device.type == "cpu" else torch.bfloat16)
+                ortho = newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 for i, update in zip(indices, ortho):
                     p = params[i]
                     p.mul_(1 - group["lr"] * group["weight_decay"])
                     p.add_(update, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 
 
-def newton_schulz(grads, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon's, in float32, on a stack of n
+def newton_schulz(grads, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype=torch.float32) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon's, in `dtype`, on a stack of n
     matrices (n, A, B): each becomes an approximately orthogonal matrix with its singular vectors."""
     a, b, c = coefficients
-    x = grads.float()
+    x = grads.to(dtype)
     tall = grads.size(1) > grads.size(2)
     if tall:
         x = x.mT                                                         # (n, min, max): the smaller Gram

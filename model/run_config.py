@@ -4,6 +4,7 @@ resumes or starts from) or raises an error that names the option to fix.
 """
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from data.tokenizer import describe_tokenizer, meta_vocab_size, same_tokenizer
 from model import checkpoint
 from model.command_line import check_keys, config_object, naming, resumed_config
 from model.config import GPTConfig
-from model.device import memory_bytes, pick_device, print0
+from model.device import check_processes, memory_bytes, pick_device, print0
 from model.optimizer import optimizer_name
 from model.run_dir import WANDB_MODES
 
@@ -60,6 +61,8 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     with naming("train.device", "device"):
         device = pick_device(train_cfg.device)
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
+    check_processes(device, local_processes, torch.cuda.device_count() if device.type == "cuda" else 0)
     if source is None and cfg.init_from:
         option = f"init_from={cfg.init_from}"
         with naming("init_from"):

@@ -6,6 +6,7 @@ import functools
 import typing
 
 import pytest
+import torch
 import yaml
 from omegaconf import OmegaConf
 
@@ -87,6 +88,7 @@ def test_the_gpu_recipe_is_nanogpts_model_with_the_speed_levers_and_a_bounded_ev
     (["train.device='cpu'"], True, "shakespeare_char_cpu_fast"),
     (["train.device=cuda:1"], False, "shakespeare_char_gpu"),    # CUDA asked for: its error comes later
     (["train.device=auto"], True, "shakespeare_char_gpu"),
+    (["train.device=mps"], True, "shakespeare_char_cpu_fast"),   # Apple's GPU: the small model
 ])
 def test_the_default_recipe_follows_the_training_device(argv, cuda, recipe, capsys):
     assert with_default_experiment(argv, cuda_available=cuda) == [*argv, f"experiment={recipe}"]
@@ -102,7 +104,7 @@ def test_the_default_recipe_follows_the_training_device(argv, cuda, recipe, caps
     ("train.lr=0", "train.lr"), ("train.beta2=1.0", "train.beta2"), ("train.dtype=float16", "train.dtype"),
     ("train.compile=maybe", "train.compile"), ("train.compile=1", "train.compile"),
     ("data.val_fraction=1.5", "data.val_fraction"), ("train.min_lr=0.5", "train.min_lr"),
-    ("train.lr=nan", "train.lr"), ("train.device=mps", "train.device"),
+    ("train.lr=nan", "train.lr"), ("train.device=tpu", "train.device"),
     ("train.device=cuda:x", "train.device"),
     ("data.tokenizer=words", "data.tokenizer"), ("train.optimizer=sgd", "train.optimizer"),
 ])
@@ -116,12 +118,20 @@ def test_out_of_range_values_name_the_field(override, field):
 @pytest.mark.parametrize("override,field", [
     ("top_k=0", "top_k"), ("top_p=1.5", "top_p"), ("temperature=-1", "temperature"),
     ("max_new_tokens=-1", "max_new_tokens"), ("num_samples=0", "num_samples"), ("dtype=float16", "dtype"),
-    ("quantize=int4", "quantize"), ("ckpt=''", "ckpt"), ("prompt=''", "prompt"), ("device=mps", "device"),
+    ("quantize=int4", "quantize"), ("ckpt=''", "ckpt"), ("prompt=''", "prompt"), ("device=tpu", "device"),
     ("temperature=nan", "temperature"), ("attn_plot=/nonexistent/a.png", "attn_plot"),
 ])
 def test_out_of_range_generate_options_name_the_option(override, field):
     with pytest.raises((ValueError, OSError), match=field):
         OmegaConf.to_object(compose("ckpt=run", override, config_name="generate"))
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+@pytest.mark.parametrize("script,option", [("train.py", "train.device=mps"), ("generate.py", "device=mps")])
+def test_mps_where_pytorch_has_none_is_one_line(script, option, tiny_ckpt):
+    args = ("model=tiny",) if script == "train.py" else (f"ckpt={tiny_ckpt}",)
+    assert_one_line_error(run_in_process(script, option, *args),
+                          f"{option.split('=')[0]}=mps but PyTorch's MPS backend is not available here")
 
 
 @pytest.mark.parametrize("args", [("train.py", "experiment=shakespeare_char_cpu", "train.lr=fast"),

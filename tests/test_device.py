@@ -1,20 +1,21 @@
-"""model/device.py: device names, precisions, the torchrun helpers in one process."""
+"""model/device.py: device names (CPU, CUDA, MPS), precisions, the processes a torchrun job may
+start, the torchrun helpers in one process, MFU's peak by GPU name."""
+
+import re
 
 import pytest
 import torch
 
 from model.command_line import naming
-from model.device import Throughput, autocast, decode_precision, pick_device
+from model.device import Throughput, autocast, check_processes, decode_precision, peak_tflops, pick_device
 
 
 def test_pick_device_names_the_option():
     assert pick_device("cpu") == torch.device("cpu")
     assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match=r"^train\.device='mps' is not one of auto, cpu, cuda"):
+    with pytest.raises(ValueError, match=r"^train\.device='gpu' is not one of auto, cpu, cuda, cuda:N, mps"):
         with naming("train.device", "device"):
-            pick_device("mps")
-    with pytest.raises(ValueError, match=r"device='gpu' is not one of"):
-        pick_device("gpu")
+            pick_device("gpu")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device=cuda but CUDA is not available"):
             pick_device("cuda")
@@ -37,6 +38,8 @@ def test_precisions():
     ("cpu", "auto", "int8", 800_000, ("bfloat16", "int8")),     # int8 asked for: bf16 activations
     ("cpu", "float32", "int8", 800_000, ("float32", "int8")),
     ("cuda", "auto", "auto", 10_000_000, ("bfloat16", None)),
+    ("mps", "auto", "auto", 10_000_000, ("float32", None)),      # MPS: float32, no int8 weights
+    ("mps", "bfloat16", "auto", 10_000_000, ("bfloat16", None)),
 ])
 def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
         device, dtype, quantize, n_params, expected):
@@ -46,7 +49,8 @@ def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
 @pytest.mark.parametrize("device,dtype,quantize,message", [
     ("cpu", "float16", "auto", "dtype must be one of auto"),
     ("cpu", "auto", "int4", "quantize must be null, auto or int8"),
-    ("cuda", "auto", "int8", "quantize=int8 is for CPUs"),  # PyTorch's reference kernel on CUDA
+    ("cuda", "auto", "int8", "quantize=int8 is for CPUs, not cuda"),  # PyTorch's reference kernel on CUDA
+    ("mps", "auto", "int8", "quantize=int8 is for CPUs, not mps"),
 ])
 def test_decode_precision_names_the_option(device, dtype, quantize, message):
     with pytest.raises(ValueError, match=message):
@@ -85,3 +89,46 @@ def test_mfu_is_per_device(world_size):
     tokens_per_s, mfu = speed.read()
     assert tokens_per_s == 4000 * world_size
     assert mfu == pytest.approx(4000 * 1e9 / 1e13)  # 40% on each device, whatever their number
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_mps_is_a_device_name_and_its_absence_one_line():
+    with pytest.raises(ValueError, match=r"^device=mps but PyTorch's MPS backend is not available here"):
+        pick_device("mps")
+
+
+def test_mps_trains_in_float32_without_autocast_unless_asked():
+    mps = torch.device("mps")
+    assert isinstance(autocast(mps, "auto"), type(autocast(torch.device("cpu"), "float32")))
+    assert isinstance(autocast(mps, "bfloat16"), torch.autocast)
+
+
+@pytest.mark.parametrize("device,processes,cuda_devices,message", [
+    ("cuda", 2, 1, "torchrun --nproc_per_node=2 starts 2 processes on this machine, which has 1 CUDA device: "
+                   "one process per GPU, so --nproc_per_node=1 at most"),
+    ("cuda", 9, 8, "which has 8 CUDA devices"),
+    ("cuda", 3, 0, "which has 0 CUDA devices"),
+    ("mps", 2, 0, "torchrun --nproc_per_node=2 with device=mps: MPS has no process-group backend"),
+])
+def test_a_torchrun_job_needs_one_gpu_per_process(device, processes, cuda_devices, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_processes(torch.device(device), processes, cuda_devices)
+
+
+@pytest.mark.parametrize("device,processes,cuda_devices", [
+    ("cuda", 1, 1), ("cuda", 8, 8), ("cpu", 16, 0), ("cpu", 2, 1), ("mps", 1, 0)])
+def test_a_torchrun_job_that_fits_its_devices_passes(device, processes, cuda_devices):
+    check_processes(torch.device(device), processes, cuda_devices)
+
+
+@pytest.mark.parametrize("name,tflops", [
+    ("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0), ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA L4", None), ("", None)])
+def test_mfus_peak_is_read_from_the_gpus_name(name, tflops):
+    assert peak_tflops(name) == tflops
+
+
+def test_mfu_needs_a_peak_off_cuda():
+    assert Throughput(1, torch.device("cpu")).peak_flops is None
+    assert Throughput(1, torch.device("cpu"), peak_flops=1e12).peak_flops == 1e12  # train.peak_tflops

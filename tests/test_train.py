@@ -49,6 +49,9 @@ STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
         "-c", "import sys; from tests.helpers import compose, train_checked; "
               f"train_checked(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
               "print('wandb' in sys.modules)"),
+    "test_an_error_under_torchrun_is_one_line_from_the_first_process": lambda tiny_run, run_dir: start_cli(
+        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *tiny_run,
+        "train.device=mps", f"hydra.run.dir={run_dir}/run", env={"OMP_NUM_THREADS": "1"}),
     "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli("-c", DDP_RUNS.format(
         tiny_run=[*tiny_run, "train.batch_size=4", "train.full_val=true"], run_dir=str(run_dir)),
         env={"OMP_NUM_THREADS": "1"}),
@@ -407,6 +410,24 @@ def test_wandb_is_not_imported_when_disabled(early_run):
     result = finish(early_run[0])
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_an_error_under_torchrun_is_one_line_from_the_first_process(early_run):
+    """Every process checks the same options and exits 1; the first alone says what is wrong (here
+    train.device=mps: no MPS on this machine, or, on one with MPS, no torchrun for it)."""
+    result = finish(early_run[0])
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and "device=mps" in errors[0], result.stderr[-2000:]
+    assert not (early_run[1] / "run").exists()
+
+
+def test_a_timing_run_saves_no_checkpoint(tiny_run, tmp_path):
+    """train.checkpoints=false: no best.pt or ckpt.pt at evaluations or the end (their writes would
+    count in the time to a loss), the same losses, and the run says so."""
+    result = run_in_process("train.py", *tiny_run, "train.checkpoints=false", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert not list(tmp_path.glob("*.pt")) and "checkpoint: none (checkpoints=false)" in result.stdout
+    assert [m["step"] for m in read_metrics(tmp_path) if "val_loss" in m] == [0, 6, 12]
 
 
 @pytest.mark.slow
