@@ -1,50 +1,64 @@
-"""The GPU measurements in one script, written for one H100 (issue 29): each section prints a table.
+"""The GPU measurements, in sections that each fit one command of a GPU rental (10 minutes at most),
+every result written to --out the moment it is measured. The plan (the commands in order, with their
+estimates) is in docs/training.md, "On a GPU".
 
-    python benchmarks/gpu.py                          # every section, on the CUDA device
-    python benchmarks/gpu.py --only decode variants   # some sections (train, decode, variants)
-    python benchmarks/gpu.py --levers recipe RoPE     # the train section with some levers only
-    python benchmarks/gpu.py --smoke                  # every section at toy sizes on the CPU (<= 3 min)
+    python benchmarks/gpu.py --section probe                  # what the machine has, and what we get
+    python benchmarks/gpu.py --section train --levers speed   # a group of levers, names, or overrides
+    python benchmarks/gpu.py --smoke                          # every section at toy sizes on the CPU
 
-train     python train.py's GPU recipe (experiment=shakespeare_char_gpu) and the same with one lever
-          changed at a time: wall time to val <= 1.4697 (nanoGPT's), the training steps' share of
-          it (the rest is compile and evaluation), tokens/s, MFU, and the loss over the whole val
-          split at the end. Plus fused against for-each AdamW, one optimizer step timed apart.
-decode    batch-1 decode of the char model (6/6/384) and of GPT-2 124M's shape (random weights):
-          our compiled one-token step (a CUDA graph over the static cache) against our eager step
-          and transformers' generate with its static cache (which transformers compiles on CUDA);
-          tokens equal to the eager and uncached paths, greedy and seeded, and whether CUDA graphs
-          were captured (inductor's count of graphs it skipped is 0).
-variants  MHA, GQA, MQA and MLA at GPT-2 small width, block 1024: tokens/s and peak memory of the
-          decode step at batch 1, 16, 64 and 256 at a full cache, plotted.
+probe      versions (PyTorch, CUDA, cuDNN, the GPU and the peak its name gives), the measured ceilings
+           (bf16 matrix product, device copy), whether torch.compile and CUDA graphs work, the SDPA
+           kernel of every attention call of a training step and of the decode step, per variant,
+           and whether the prepared corpus is found without importing `datasets`.
+train      one `python train.py` run per lever, the GPU recipe then one change at a time, saving no
+           checkpoints: wall time to val <= 1.4697 (nanoGPT's), the training steps' share of it
+           (the rest is compiling and evaluating), tokens/s, MFU, the whole val split's loss.
+optimizer  one step of AdamW (fused, for-each) and of Muon (PyTorch's, ours batched by shape) on
+           the recipe's model.
+decode     batch-1 decode of the char model (6/6/384) and GPT-2 124M's shape (random weights): our
+           compiled step (a CUDA graph over the static cache) against our eager step and
+           transformers' generate with its static cache; tokens equal to the eager and uncached
+           paths; the CUDA graphs launched per token (counted by the profiler).
+variants   MHA, GQA, MQA and MLA at GPT-2 small width, block 1024: the one-token step at a full
+           cache at batch 1, 16, 64 and 256 (replayed as a CUDA graph): tokens/s, peak memory and
+           the SDPA kernel, plotted.
 
---smoke runs the same code at toy sizes, so the script is known to work before a GPU runs it; its
-numbers mean nothing. Results (tables, results.json, variants.png) go to --out.
+Each measurement is one row of --out/results.jsonl, appended and flushed when it ends (a command
+stopped by its time limit keeps every row it finished), and tables.md is rewritten from the rows.
+A measurement that fails is a row with its one-line error, and the next one runs. --smoke runs the
+same code at toy sizes on the CPU, so the script is known to work before a GPU runs it; its numbers
+mean nothing.
 """
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
+import os
+import platform
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the GPU machine runs it from a checkout, not an install
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
-from model.command_line import composed_jobs  # noqa: E402
-from model.device import synchronized_clock  # noqa: E402
-from model.generation import CompiledDecodeStep, generate  # noqa: E402
-from model.optimizer import configure_optimizer  # noqa: E402
-from model.plots import pyplot, save_figure  # noqa: E402
-from model.run_dir import read_metrics  # noqa: E402
+from model.device import peak_tflops, synchronized_clock  # noqa: E402
+from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
+from model.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
 
 TARGET = 1.4697  # nanoGPT's val loss with its GPU recipe (5000 iterations; ~3 minutes on an A100)
-RECIPE = ["experiment=shakespeare_char_gpu"]
+RECIPE = ["experiment=shakespeare_char_gpu", "train.checkpoints=false"]  # timing runs: no checkpoint writes
 LEVERS = {  # name: the overrides that change one thing from the recipe
     "recipe": [],
     "float32, no bf16 autocast": ["train.dtype=float32"],
@@ -60,6 +74,13 @@ LEVERS = {  # name: the overrides that change one thing from the recipe
     "lr 2e-3": ["train.lr=2e-3"],
     "dropout 0.1": ["model.dropout=0.1"],
     "Muon": ["train.optimizer=muon"],
+}
+LEVER_GROUPS = {  # one command each in the plan, each under 5 minutes by its estimate; together every lever
+    "speed": ["recipe", "eager, no torch.compile", "corpus in host memory",
+              "nanoGPT's evaluation (200 batches every 250 steps)"],
+    "precision": ["float32, no bf16 autocast", "math attention, no flash SDPA", "batch 128"],
+    "architecture": ["RoPE", "RMSNorm", "SwiGLU", "QK-norm"],
+    "tuning": ["lr 2e-3", "dropout 0.1", "Muon"],
 }
 SMOKE_LEVERS = ["recipe", "math attention, no flash SDPA"]
 SMOKE_MODEL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
@@ -77,61 +98,225 @@ VARIANTS = {  # at GPT-2 small width (12 heads of 64): K/V heads, or MLA's laten
     "MLA": {"mla_latent_dim": 256, "mla_rope_dim": 32},  # DeepSeek-V2's 4x and 0.5x the head width
 }
 BATCHES = [1, 16, 64, 256]
+SECTIONS = ["probe", "train", "optimizer", "decode", "variants"]
 
 
-def train_levers(names: list[str], smoke: bool, out: Path) -> list[dict]:
-    """One training run per lever, in this process, as `python train.py <overrides>` runs it."""
-    from train import check_options, train  # (imports Hydra, which the other sections do without)
+# ----------------------------------------------------------------------------- results, as they come
 
-    rows = []
-    for name in names:
-        run_dir = out / "train" / name.split(",")[0].replace(" ", "_")
-        argv = [*RECIPE, *LEVERS[name], *(SMOKE_TRAIN if smoke else [])]
-        [(cfg, overrides)] = composed_jobs(ROOT / "configs", "train", argv)
-        print(f"=== {name}: python train.py {' '.join(argv)}", flush=True)
-        torch.compiler.reset()  # each lever compiles afresh, as its own process would, and none
-        # meets dynamo's recompile limit on GPT.forward, which the levers' models would share
-        run = check_options(cfg, overrides)
-        result = train(run, run_dir)
-        rows.append(lever_row(name, run_dir, run, result))
-    print(f"\n### Time to val <= {TARGET} (whole-run wall clock; train steps = steps x median step time)\n")
-    print("| lever | to target s | of it train steps s | tokens/s | MFU | val (whole split) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        reached = "not reached" if r["to_target_s"] is None else f"{r['to_target_s']:.1f}"
-        steps = "-" if r["train_steps_s"] is None else f"{r['train_steps_s']:.1f}"
-        mfu = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
-        val = "-" if r["val_loss_full"] is None else f"{r['val_loss_full']:.4f}"
-        print(f"| {r['lever']} | {reached} | {steps} | {r['tokens_per_s']:,.0f} | {mfu} | {val} |")
-    return rows
+class Results:
+    """--out/results.jsonl, one row per measurement appended and synced as it ends, and tables.md
+    rewritten from the rows after each (so what a killed command measured is on disk)."""
 
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.path = out, out / "results.jsonl"
 
-def lever_row(name: str, run_dir: Path, run, result: dict) -> dict:
-    """What one run gives the table, from its metrics.jsonl."""
-    records = read_metrics(run_dir)
-    median = lambda key: statistics.median(r[key] for r in records if key in r) if any(
-        key in r for r in records) else None
-    tokens_per_s, tokens_per_step = median("tokens_per_s"), run.tokens_per_step(1)
-    reached = next((r for r in records if r.get("val_loss", 99) <= TARGET), None)
-    return {"lever": name, "tokens_per_s": tokens_per_s or 0.0, "mfu": median("mfu"),
-            "to_target_s": reached and reached["elapsed_s"],
-            "train_steps_s": reached and tokens_per_s and reached["step"] * tokens_per_step / tokens_per_s,
-            "val_loss_full": result["val_loss_full"]}
+    def add(self, row: dict) -> dict:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tables = self.out / "tables.md"
+        (self.out / "tables.md.tmp").write_text(render_tables(self.rows()))
+        os.replace(self.out / "tables.md.tmp", tables)
+        return row
+
+    def rows(self, section: str | None = None) -> list[dict]:
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut short when a process was killed writing it
+                continue
+        return [r for r in rows if section in (None, r["section"])]
 
 
-def optimizer_step_ms(device: torch.device, smoke: bool) -> dict:
-    """One AdamW step over the recipe model's parameters, fused and for-each (CUDA only fuses)."""
-    config = GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
-                       n_head=2 if smoke else 6, n_embd=32 if smoke else 384)
-    model = GPT(config).to(device)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    times = {}
-    for fused in ([True, False] if device.type == "cuda" else [False]):
-        optimizer = configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1, fused=fused)
-        times["fused" if fused else "for-each"] = timed_ms(optimizer.step, device, repeat=20)
-    print("\n### AdamW step, recipe model: " + ", ".join(f"{k} {v:.3f} ms" for k, v in times.items()))
-    return times
+def measure(results: Results, section: str, name: str, fn) -> dict:
+    """fn() -> a dict of numbers, recorded as one row; an exception is recorded as a failed row
+    with its one-line reason (the traceback goes to stderr) and the plan goes on."""
+    print(f"=== {section}: {name}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        row = {"section": section, "name": name, **fn()}
+    except (Exception, SystemExit) as e:  # noqa: BLE001  one failed measurement never ends the others
+        traceback.print_exc()
+        reason = (str(e).strip().splitlines() or [""])[0]
+        row = {"section": section, "name": name, "error": f"{type(e).__name__}: {reason}"[:300]}
+        print(f"FAILED {section}: {name}: {row['error']}", flush=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return results.add(row)
+
+
+def render_tables(rows: list[dict]) -> str:
+    """Markdown: the probe's rows as lists, every other section as a table of its rows' keys."""
+    text = []
+    for section in dict.fromkeys(r["section"] for r in rows):
+        mine = [r for r in rows if r["section"] == section]
+        text.append(f"### {section}\n")
+        if section == "probe":
+            text += [f"- **{r['name']}**: " + ", ".join(f"{k} {cell(v)}" for k, v in r.items()
+                                                        if k not in ("section", "name")) for r in mine]
+        else:
+            keys = list(dict.fromkeys(k for r in mine for k in r if k != "section"))
+            text += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+            text += ["| " + " | ".join(cell(r.get(k, "")) for k in keys) + " |" for r in mine]
+        text.append("")
+    return "\n".join(text)
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.4g}"
+    return str(value)
+
+
+# ----------------------------------------------------------------------------- what SDPA runs
+
+class SDPACalls(TorchFunctionMode):
+    """Inside it, every F.scaled_dot_product_attention call is made as usual and recorded in
+    `made` as (q, k, v, keyword arguments), with `kernels` the SDPA kernel PyTorch picks for it
+    under the sdpa_kernel settings in force (torch._fused_sdp_choice: what the call runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.kernels = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            self.made.append((q, k, v, kwargs))
+            self.kernels.append(sdpa_kernel_name(q, k, v, kwargs))
+        return func(*args, **kwargs)
+
+
+def sdpa_kernel_name(q, k, v, kwargs: dict) -> str:
+    """The SDPA kernel (flash, efficient, cudnn, math) PyTorch picks for this call, now."""
+    try:
+        choice = torch._fused_sdp_choice(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0),
+                                         kwargs.get("is_causal", False), scale=kwargs.get("scale"),
+                                         enable_gqa=kwargs.get("enable_gqa", False))
+    except RuntimeError:  # none of the enabled kernels takes it
+        return "none"
+    return SDPBackend(choice).name.removesuffix("_ATTENTION").lower()
+
+
+def decode_step_kernels(model: GPT, batch: int) -> list[str]:
+    """The SDPA kernels of the compiled decode step's attention calls (its inputs, its backend
+    priority), one per layer, from an eager run of the same computation."""
+    device = model.wte.weight.device
+    cache = model.new_kv_cache(batch)
+    cache.advance(cache.max_len // 2)
+    token, pad = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long,
+                                                                                       device=device)
+    with torch.no_grad(), SDPACalls() as calls, sdpa_kernel(decode_backends(device), set_priority=True):
+        model.logits_at(token, torch.tensor([cache.length], device=device), cache, pad)
+    return calls.kernels
+
+
+def training_kernels(model: GPT, batch: int) -> list[str]:
+    """The SDPA kernels of a training forward (T = block_size), one per layer."""
+    device = model.wte.weight.device
+    idx = torch.zeros(batch, model.config.block_size, dtype=torch.long, device=device)
+    with torch.no_grad(), SDPACalls() as calls:
+        model(idx)
+    return calls.kernels
+
+
+def kernels_text(kernels: list[str]) -> str:
+    """['efficient', 'efficient'] -> 'efficient x2'."""
+    return ", ".join(f"{k} x{kernels.count(k)}" for k in dict.fromkeys(kernels)) or "no SDPA call"
+
+
+# ----------------------------------------------------------------------------- probe
+
+def probe_section(results: Results, device: torch.device, smoke: bool) -> None:
+    measure(results, "probe", "versions", lambda: versions(device))
+    measure(results, "probe", "ceilings", lambda: ceilings(device, smoke))
+    measure(results, "probe", "prepared corpus", prepared_corpus)
+    backend = "aot_eager" if smoke else "inductor"  # (inductor on a CPU: ~15 s for the toy training step)
+    measure(results, "probe", "torch.compile", lambda: compile_works(device, backend))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for name, fields in VARIANTS.items():
+        model = lambda fields=fields, block=1024: variant_model(fields, device, dtype, smoke, block)
+        measure(results, "probe", f"SDPA kernels, {name}", lambda model=model: {
+            "training step": kernels_text(training_kernels(model(block=256), 2)),
+            **{f"decode step, batch {b}": kernels_text(decode_step_kernels(model(), b)) for b in (1, 64)}})
+
+
+def versions(device: torch.device) -> dict:
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    row = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        props, name = torch.cuda.get_device_properties(device), torch.cuda.get_device_name(device)
+        row |= {"CUDA": torch.version.cuda, "cuDNN": torch.backends.cudnn.version(), "GPU": name,
+                "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+                "SMs": props.multi_processor_count, "memory GB": round(props.total_memory / 1e9, 1),
+                "peak bf16 TFLOP/s (from its name)": peak_tflops(name)}
+    # `datasets` is looked for, never imported: the plan's runs must not need it.
+    return row | {p: version(p) for p in ("triton", "transformers", "hydra-core", "omegaconf", "datasets")}
+
+
+def ceilings(device: torch.device, smoke: bool) -> dict:
+    """The two ceilings: a large bf16 matrix product (TFLOP/s) and a device copy (GB/s, bytes read
+    plus written), each the mean of 10 after 3 warm-ups, on random data."""
+    n, size = (256, 2**20) if smoke else (8192, 2**30)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    src = torch.randn(size // 4, device=device)
+    dst = torch.empty_like(src)
+    return {"matmul TFLOP/s": 2 * n**3 / timed_ms(lambda: a @ b, device, 10) / 1e9,
+            "copy GB/s": 2 * size / timed_ms(lambda: dst.copy_(src), device, 10) / 1e6}
+
+
+def prepared_corpus() -> dict:
+    """The char corpus's prepared folder (data.cache_dir: KVGPT_CACHE), and whether finding it
+    imported `datasets` (it must not: the GPU machine has none)."""
+    from data.prepare import prepare
+    from model.command_line import composed_jobs, config_object
+
+    [(cfg, _)] = composed_jobs(ROOT / "configs", "prepare", ["data=shakespeare_char"])  # the recipe's data
+    data_cfg = config_object(cfg.data, "data.")
+    found = any(Path(os.path.expanduser(data_cfg.cache_dir)).glob("shakespeare-char-*/meta.json"))
+    folder = prepare(data_cfg)
+    imported = sys.modules.get("datasets") is not None  # (None: made unimportable, as in the suite)
+    return {"cache": str(folder), "was prepared": found, "datasets imported": imported}
+
+
+def compile_works(device: torch.device, backend: str) -> dict:
+    """torch.compile of a small GPT's training step (with `backend`) and of its decode step (CUDA
+    graphs on CUDA): seconds each, and the graphs launched per decoded token."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)).to(device)
+    idx = torch.randint(0, 65, (4, 64), device=device)
+    t0 = time.perf_counter()
+    _, loss = torch.compile(model, backend=backend)(idx, idx)
+    loss.backward()
+    train_s = time.perf_counter() - t0
+    model.eval()
+    t0 = time.perf_counter()
+    step = CompiledDecodeStep(model)
+    generate(model, idx[:1, :3], 8, temperature=0, decode_step=step)
+    return {"training step compiled s": train_s, "decode step compiled s": time.perf_counter() - t0,
+            "CUDA graphs launched per token": graph_launches_per_token(model, step)}
+
+
+def graph_launches_per_token(model: GPT, step: CompiledDecodeStep, new: int = 16) -> float:
+    """cudaGraphLaunch calls per token of a generate call with `step`, counted by the profiler:
+    about 1 when the step runs as a captured CUDA graph, 0 when it does not."""
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=model.wte.weight.device)
+    generate(model, prompt, new, temperature=0, decode_step=step)  # warm
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        generate(model, prompt, new, temperature=0, decode_step=step)
+    return sum(e.name == "cudaGraphLaunch" for e in prof.events()) / (new - 1)
 
 
 def timed_ms(fn, device: torch.device, repeat: int) -> float:
@@ -145,7 +330,84 @@ def timed_ms(fn, device: torch.device, repeat: int) -> float:
     return 1e3 * (clock() - t0) / repeat
 
 
-def decode_models(shape: tuple, device: torch.device, dtype: torch.dtype):
+# ----------------------------------------------------------------------------- train
+
+def lever_overrides(names: list[str]) -> dict[str, list[str]]:
+    """{lever: overrides} for --levers: group names, lever names, or a lever of your own as
+    overrides in one argument ("train.lr=3e-3 model.dropout=0")."""
+    levers = {}
+    for name in names:
+        if name in LEVER_GROUPS:
+            levers |= {n: LEVERS[n] for n in LEVER_GROUPS[name]}
+        elif name in LEVERS:
+            levers[name] = LEVERS[name]
+        elif "=" in name:
+            levers[name] = name.split()
+        else:
+            raise SystemExit(f"error: --levers: {name!r} is not a group ({', '.join(LEVER_GROUPS)}), "
+                             f"a lever ({', '.join(LEVERS)}) or overrides (key=value)")
+    return levers
+
+
+def train_section(results: Results, levers: dict[str, list[str]], smoke: bool) -> None:
+    for name, overrides in levers.items():
+        argv = [*RECIPE, *overrides, *(SMOKE_TRAIN if smoke else [])]
+        measure(results, "train", name, lambda argv=argv: train_lever(argv))
+
+
+def train_lever(argv: list[str]) -> dict:
+    """One training run as `python train.py <argv>` runs it, in this process, in a temporary run dir."""
+    from model.command_line import composed_jobs
+    from model.run_config import check_options
+    from model.run_dir import read_metrics
+    from train import train  # (imports Hydra, which the other sections do without)
+
+    print(f"python train.py {' '.join(argv)}", flush=True)
+    jobs = composed_jobs(ROOT / "configs", "train", argv)
+    if not jobs:
+        raise ValueError(f"not a train.py command line: {' '.join(argv)}")
+    [(cfg, overrides)] = jobs
+    torch.compiler.reset()  # each lever compiles afresh, as its own process would, and none
+    # meets dynamo's recompile limit on GPT.forward, which the levers' models would share
+    run = check_options(cfg, overrides)
+    with tempfile.TemporaryDirectory() as run_dir:
+        result = train(run, Path(run_dir) / "run")
+        records = read_metrics(Path(run_dir) / "run")
+    median = lambda key: statistics.median(r[key] for r in records if key in r) if any(
+        key in r for r in records) else None
+    tokens_per_s = median("tokens_per_s")
+    reached = next((r for r in records if r.get("val_loss", 99) <= TARGET), None)
+    steps_s = reached and tokens_per_s and reached["step"] * run.tokens_per_step(1) / tokens_per_s
+    return {f"to val {TARGET} s": reached and reached["elapsed_s"], "of it training steps s": steps_s,
+            "rest (compile, evaluation) s": steps_s and reached["elapsed_s"] - steps_s,
+            "tokens/s": tokens_per_s, "MFU": median("mfu"), "best val (estimate)": result["best_val"],
+            "val (whole split)": result["val_loss_full"], "overrides": " ".join(argv[len(RECIPE):])}
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+def optimizer_section(results: Results, device: torch.device, smoke: bool) -> None:
+    """One step over the recipe model's parameters: AdamW fused and for-each; Muon (on the blocks'
+    matrices) as PyTorch's (a Newton-Schulz iteration per matrix) and ours (batched by shape)."""
+    config = GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
+                       n_head=2 if smoke else 6, n_embd=32 if smoke else 384)
+    model = GPT(config).to(device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
+    muon = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    optimizers = {"AdamW, fused": lambda: configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1),
+                  "AdamW, for-each": lambda: configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1,
+                                                                 fused=False),
+                  "Muon, torch.optim.Muon (blocks' matrices)": lambda: torch.optim.Muon(matrices, **muon),
+                  "Muon, BatchedMuon (blocks' matrices)": lambda: BatchedMuon(matrices, **muon)}
+    for name, make in optimizers.items():
+        measure(results, "optimizer", name, lambda make=make: {"step ms": timed_ms(make().step, device, 20)})
+
+
+# ----------------------------------------------------------------------------- decode
+
+def decode_models(shape: tuple, device: torch.device):
     """transformers' GPT-2 with random weights and ours with the same weights, both on device."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -156,12 +418,12 @@ def decode_models(shape: tuple, device: torch.device, dtype: torch.dtype):
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         ours = GPT.from_pretrained(d).eval()
-    return hf.to(device, dtype), ours.to(device, dtype)
+    return hf.to(device), ours.to(device)
 
 
 def same_tokens(model, step: CompiledDecodeStep, new: int) -> bool:
     """Whether the compiled step, the eager step and no cache give the same tokens, greedy and
-    seeded, over calls with prompts of several lengths."""
+    seeded, over several calls with prompts of several lengths."""
     device = model.wte.weight.device
     for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 50}):
         for length in (1, 7, 19):
@@ -174,148 +436,155 @@ def same_tokens(model, step: CompiledDecodeStep, new: int) -> bool:
     return True
 
 
-def decode_row(name: str, shape: tuple, device: torch.device, dtype) -> dict:
-    """One model shape: whether the paths agree, and each one's batch-1 tokens/s."""
-    hf, ours = decode_models(shape, device, dtype)
+def decode_row(shape: tuple, device: torch.device) -> dict:
+    """One model shape: whether the paths agree (float32), then each one's batch-1 tokens/s in the
+    decoding dtype, our compiled step's CUDA graphs counted right after its own timing."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf, ours = decode_models(shape, device)
     new = min(500, shape[1] - 2)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    # The check runs in float32: in bf16 the paths round differently, and a random model's
-    # near-ties may then break either way.
+    # The check runs in float32 (in bf16 the paths round differently, and a random model's
+    # near-ties may then break either way), with float32 matmuls, not TF32.
     precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # not TF32, which training set for this process
-    step = CompiledDecodeStep(ours.float())
+    torch.set_float32_matmul_precision("highest")
+    step = CompiledDecodeStep(ours)
     identical = same_tokens(ours, step, 20)
     torch.set_float32_matmul_precision(precision)
-    if dtype != torch.float32:
-        step = CompiledDecodeStep(ours.to(dtype))
+    if dtype != torch.float32:  # (a smoke run decodes in float32: the step compiled above serves)
+        hf, ours = hf.to(dtype), ours.to(dtype)
+        step = CompiledDecodeStep(ours)
     skipped = counters["inductor"]["cudagraph_skips"]
-    speed = {"ours, compiled step": lambda: generate(ours, prompt, new, temperature=0, decode_step=step),
-             "ours, eager step": lambda: generate(ours, prompt, new, temperature=0),
+    speed = {"ours, compiled step": lambda: generate(ours, prompt, new, temperature=0, decode_step=step)}
+    tokens_per_s = {k: new / (timed_ms(fn, device, repeat=2) / 1e3) for k, fn in speed.items()}
+    row = {"CUDA graphs skipped (inductor)": counters["inductor"]["cudagraph_skips"] - skipped,
+           "CUDA graphs launched per token": graph_launches_per_token(ours, step)}
+    speed = {"ours, eager step": lambda: generate(ours, prompt, new, temperature=0),
              "transformers, static cache": lambda: hf.generate(
                  prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                  cache_implementation="static")}
-    tokens_per_s = {k: new / (timed_ms(fn, device, repeat=2) / 1e3) for k, fn in speed.items()}
-    graphs = device.type == "cuda" and counters["inductor"]["cudagraph_skips"] == skipped
-    return {"shape": name, "new_tokens": new, "identical_tokens": identical, "cuda_graphs": graphs,
-            "tokens_per_s": tokens_per_s}
+    tokens_per_s |= {k: new / (timed_ms(fn, device, repeat=2) / 1e3) for k, fn in speed.items()}
+    ratio = tokens_per_s["ours, compiled step"] / tokens_per_s["transformers, static cache"]
+    return {**{f"{k} tok/s": v for k, v in tokens_per_s.items()}, "ours / transformers": ratio,
+            "same tokens (compiled, eager, uncached)": identical, **row, "dtype": str(dtype),
+            "new tokens": new, "SDPA (decode step)": kernels_text(decode_step_kernels(ours, 1))}
 
 
-def decode_section(device: torch.device, smoke: bool) -> list[dict]:
-    """Batch-1 decode tokens/s: ours compiled and eager, transformers with its static cache."""
+def decode_section(results: Results, device: torch.device, smoke: bool) -> None:
+    for name, (vocab, block, n_layer, n_head, n_embd) in DECODE_SHAPES.items():
+        shape = (vocab, 64, 2, 2, 32) if smoke else (vocab, block, n_layer, n_head, n_embd)
+        measure(results, "decode", name, lambda shape=shape: decode_row(shape, device))
+
+
+# ----------------------------------------------------------------------------- variants
+
+def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 1024) -> GPT:
+    """A GPT-2-small-width model (toy with smoke) with the variant's attention fields, RoPE."""
+    width = dict(n_layer=2, n_head=6, n_embd=96, block_size=64) if smoke else \
+        dict(n_layer=12, n_head=12, n_embd=768, block_size=block_size)
+    fields = {**fields, "n_kv_head": max(1, fields.get("n_kv_head", 12) * width["n_head"] // 12)}
+    if smoke and "mla_latent_dim" in fields:
+        fields |= {"mla_latent_dim": 32, "mla_rope_dim": 8}
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)).to(device, dtype).eval()
+
+
+def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> dict:
+    """tokens/s and peak memory of the one-token step at the last slot of a full cache (filled
+    with random values: a prefill would cost far more than the measurement), which reads every
+    slot as the compiled step does. On CUDA it is captured once as a CUDA graph and replayed
+    (no compile: 16 of them would take minutes); on the CPU it runs eagerly."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    rows = [decode_row(name, (vocab, 64, 2, 2, 32) if smoke else (vocab, block, n_layer, n_head, n_embd),
-                       device, dtype)
-            for name, (vocab, block, n_layer, n_head, n_embd) in DECODE_SHAPES.items()]
-    paths = list(rows[0]["tokens_per_s"])
-    print(f"\n### Batch-1 decode, {dtype}, tokens/s (prompt 1 token)\n")
-    print(f"| model | {' | '.join(paths)} | ours / transformers | same tokens | CUDA graphs |")
-    print("| --- |" + " --- |" * (len(paths) + 3))
-    for r in rows:
-        speeds = r["tokens_per_s"]
-        ratio = speeds["ours, compiled step"] / speeds["transformers, static cache"]
-        print(f"| {r['shape']} | " + " | ".join(f"{v:,.0f}" for v in speeds.values())
-              + f" | {ratio:.2f}x | {r['identical_tokens']} | {r['cuda_graphs']} |")
-    return rows
-
-
-def variant_speed(config: GPTConfig, batch: int, device, dtype, steps: int) -> tuple[float, int]:
-    """(decode tokens/s, peak bytes) of the one-token step at the end of a full cache (filled
-    with random values: a prefill would cost far more than the measurement)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(0)
-    model = GPT(config).to(device, dtype).eval()
-    # Compiled on CUDA; eager on the CPU, where 16 compiles would take the smoke run's minutes.
-    step = CompiledDecodeStep(model, batch) if device.type == "cuda" else None
-    cache = step.cache if step else model.new_kv_cache(batch)
+    model = variant_model(fields, device, dtype, smoke)
+    cache = model.new_kv_cache(batch)
     for t in cache.buffers:
         t.normal_()
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    pad, input_pos = torch.zeros(batch, dtype=torch.long, device=device), torch.tensor([cache.max_len - 1],
+                                                                                       device=device)
 
-    def decode():
-        cache.reset()
-        cache.advance(config.block_size - steps)
-        for _ in range(steps):
-            step(token, cache) if step else model(token, kv_cache=cache)
+    def one_step():
+        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True):
+            return model.logits_at(token, input_pos, cache, pad)
 
-    with torch.no_grad():
-        ms = timed_ms(decode, device, repeat=2)
+    step = one_step
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(3):  # warm-up, as capturing needs
+                one_step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_step()
+        step = graph.replay
+    steps = 4 if smoke else 32
+    ms = timed_ms(lambda: [step() for _ in range(steps)], device, repeat=2)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         cache.nbytes + sum(p.nbytes for p in model.parameters())
-    return batch * steps / (ms / 1e3), peak
+    return {"tokens/s": batch * steps / (ms / 1e3), "peak GB": peak / 1e9,
+            "KV cache per token": model.config.kv_cache_formula(),
+            "SDPA": kernels_text(decode_step_kernels(model, batch)), "dtype": str(dtype)}
 
 
-def variants_section(device: torch.device, smoke: bool, out: Path) -> list[dict]:
-    """MHA, GQA, MQA, MLA at GPT-2 small width: decode tokens/s and peak memory by batch."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    width = dict(n_layer=2, n_head=4, n_embd=64, block_size=64) if smoke else \
-        dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)
-    batches, steps = ([1, 4] if smoke else BATCHES), (4 if smoke else 32)
-    rows = []
+def variants_section(results: Results, device: torch.device, smoke: bool) -> None:
     for name, fields in VARIANTS.items():
-        fields = {**fields, "n_kv_head": min(fields.get("n_kv_head", width["n_head"]), width["n_head"])}
-        if smoke and "mla_latent_dim" in fields:
-            fields |= {"mla_latent_dim": 32, "mla_rope_dim": 8}
-        config = GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)
-        for batch in batches:
-            tokens_per_s, peak = variant_speed(config, batch, device, dtype, steps)
-            rows.append({"variant": name, "batch": batch, "tokens_per_s": tokens_per_s, "peak_bytes": peak,
-                         "kv_bytes_per_token": config.kv_cache_formula()})
-    kind = "the compiled step (CUDA graphs)" if device.type == "cuda" else "the eager step"
-    print(f"\n### Decode at a full cache ({width['block_size']} positions), {dtype}, {kind}, {steps} steps "
-          f"timed: tokens/s counting every row of the batch, peak GB\n")
-    print("| variant | " + " | ".join(f"batch {b}" for b in batches) + " |")
-    print("| --- |" + " --- |" * len(batches))
-    for name in VARIANTS:
-        mine = [r for r in rows if r["variant"] == name]
-        cells = [f"{r['tokens_per_s']:,.0f} / {r['peak_bytes'] / 1e9:.2f}" for r in mine]
-        print(f"| {name} | " + " | ".join(cells) + " |")
-    plot_variants(rows, out / "variants.png")
-    return rows
+        for batch in ([1, 4] if smoke else BATCHES):
+            measure(results, "variants", f"{name}, batch {batch}",
+                    lambda name=name, fields=fields, batch=batch: {"variant": name, "batch": batch,
+                                                        **variant_row(fields, batch, device, smoke)})
+    plot_variants([r for r in results.rows("variants") if "tokens/s" in r], results.out / "variants.png")
 
 
 def plot_variants(rows: list[dict], path: Path) -> None:
     """Tokens/s against peak memory, one line per variant through its batch sizes."""
+    from model.plots import pyplot, save_figure
+
     fig, ax = pyplot().subplots(figsize=(6, 4))
-    for name in VARIANTS:
+    for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
-        ax.plot([r["peak_bytes"] / 1e9 for r in mine], [r["tokens_per_s"] for r in mine], "o-", label=name)
+        ax.plot([r["peak GB"] for r in mine], [r["tokens/s"] for r in mine], "o-", label=name)
         for r in mine:
-            ax.annotate(f"{r['batch']}", (r["peak_bytes"] / 1e9, r["tokens_per_s"]), fontsize=7)
+            ax.annotate(f"{r['batch']}", (r["peak GB"], r["tokens/s"]), fontsize=7)
     ax.set(xscale="log", yscale="log", xlabel="peak memory (GB)", ylabel="decode tokens/s",
            title="Decode by batch size (labels), full cache")
     ax.legend()
     save_figure(fig, path)
 
 
-def main(argv=None) -> dict:
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
-    parser.add_argument("--only", nargs="+", choices=["train", "decode", "variants"],
-                        default=["train", "decode", "variants"])
-    parser.add_argument("--levers", nargs="+", choices=list(LEVERS), default=None)
+    parser.add_argument("--section", nargs="+", choices=SECTIONS, default=SECTIONS)
+    parser.add_argument("--levers", nargs="+", default=None,
+                        help=f"groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'")
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no CUDA device: run it on a GPU, or with --smoke")
-    args.out.mkdir(parents=True, exist_ok=True)
+    levers = lever_overrides(args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
+    results = Results(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke: the numbers mean nothing)"
-    print(f"{name}, PyTorch {torch.__version__}; results in {args.out}")
-    results = {"device": str(device), "torch": torch.__version__, "smoke": args.smoke}
-    if "train" in args.only:
-        results["train"] = train_levers(args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)),
-                                        args.smoke, args.out)
-        results["adamw_step_ms"] = optimizer_step_ms(device, args.smoke)
-    if "decode" in args.only:
-        results["decode"] = decode_section(device, args.smoke)
-    if "variants" in args.only:
-        results["variants"] = variants_section(device, args.smoke, args.out)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    if not all(r["identical_tokens"] for r in results.get("decode", [])):
-        sys.exit("error: the compiled step, the eager step and the uncached path gave different tokens")
-    return results
+    print(f"{name}, PyTorch {torch.__version__}; results in {args.out}: results.jsonl, tables.md", flush=True)
+    start = len(results.rows())
+    for section in args.section:
+        {"probe": lambda: probe_section(results, device, args.smoke),
+         "train": lambda: train_section(results, levers, args.smoke),
+         "optimizer": lambda: optimizer_section(results, device, args.smoke),
+         "decode": lambda: decode_section(results, device, args.smoke),
+         "variants": lambda: variants_section(results, device, args.smoke)}[section]()
+    rows = results.rows()[start:]
+    print("\n" + render_tables(rows), flush=True)
+    failed = [r for r in rows if "error" in r or r.get("same tokens (compiled, eager, uncached)") is False]
+    if failed:
+        sys.exit(f"error: {len(failed)} of {len(rows)} measurements failed: "
+                 + "; ".join(f"{r['section']}: {r['name']}" for r in failed))
+    return rows
 
 
 if __name__ == "__main__":

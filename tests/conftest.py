@@ -12,6 +12,30 @@ from tests.helpers import FOREIGN_ENV, compose, data_config
 torch.set_num_threads(1)  # the suite runs on 2 cores; subprocess tests use the other one
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu", action="store_true",
+                     help="run only the CUDA checks (tests/test_gpu.py), on this machine's GPU")
+
+
+def pytest_configure(config):
+    """The suite is about the CPU: it runs with CUDA hidden (this process and the commands it
+    starts), so a machine with a GPU passes it as one without. `pytest --gpu` runs the `gpu`-marked
+    checks instead, with the GPU visible."""
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; runs with --gpu only")
+    if not config.getoption("--gpu"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = config.getoption("--gpu")
+    reason = "CPU tests run without --gpu" if gpu else "a CUDA check: pytest --gpu tests/test_gpu.py on a GPU"
+    for item in items:
+        if ("gpu" in item.keywords) != gpu:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        elif gpu and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="--gpu: this machine has no CUDA device"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def hermetic_env(tmp_path_factory):
     """Tests, and the commands they run, see none of the user's HF_*, WANDB_*, HYDRA_*, TIKTOKEN_*
@@ -70,19 +94,31 @@ def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def docs_commands(request, hermetic_env, tmp_path_factory):
-    """When the session runs tests/test_readme.py's run of every README and docs command, those
-    commands start now, in a background thread, and run beside the rest of the suite; the test
-    waits for them. Yields the future of that run (None when not selected)."""
+def started_with_the_session(request, hermetic_env, tmp_path_factory):
+    """The tests that run many commands (every README and docs command; every command of the GPU
+    plan) start them when the session starts, each in a background thread, beside the rest of the
+    suite (a command is mostly process start-up, on the core the in-process tests leave idle); each
+    test waits for its own. Yields {test name: the future of its run} for the tests selected."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from tests.test_gpu_plan import run_the_plan
     from tests.test_readme import run_every_command
 
-    if not any(item.name == "test_every_command_of_the_readme_and_docs_runs_as_written"
-               for item in request.session.items):
-        yield None
-        return
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        future = pool.submit(run_every_command, tmp_path_factory.mktemp("docs_commands"))
-        yield future
-        future.cancel()
+    starts = {"test_every_command_of_the_readme_and_docs_runs_as_written": run_every_command,
+              "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan}
+    selected = set() if request.config.getoption("--gpu") else {item.name for item in request.session.items}
+    wanted = {name: start for name, start in starts.items() if name in selected}
+    if run_the_plan in wanted.values():
+        request.getfixturevalue("char_data")  # the corpus the plan's commands find prepared
+    with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
+        futures = {name: pool.submit(start, tmp_path_factory.mktemp("commands"))
+                   for name, start in wanted.items()}
+        yield futures
+        for future in futures.values():
+            future.cancel()
+
+
+@pytest.fixture
+def started_run(request, started_with_the_session):
+    """The future of this test's commands, started with the session."""
+    return started_with_the_session[request.node.name]

@@ -1,14 +1,18 @@
 """model/generation.py: cached and uncached paths agree, sampling options, batched prompts,
 generation past block_size, the compiled decode step."""
 
+import copy
+import dataclasses
 import itertools
 import random
 import re
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.gpu import SDPACalls
+from model import GPT
 from model.evaluation import split_loss
 from model.generation import (
     CompiledDecodeStep,
@@ -232,11 +236,57 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
 
 
 def test_the_compiled_steps_backends_are_a_list_on_every_device():
-    """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable)."""
+    """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable); on CUDA
+    the first takes the step's mask (flash refuses any), and math is the last resort."""
     for device in ("cpu", "cuda"):
         backends = decode_backends(torch.device(device))
         assert backends and all(isinstance(b, SDPBackend) for b in backends)
-    assert decode_backends(torch.device("cuda"))[1] == SDPBackend.FLASH_ATTENTION
+    cuda = decode_backends(torch.device("cuda"))
+    assert cuda[0] == SDPBackend.EFFICIENT_ATTENTION and cuda[-1] == SDPBackend.MATH
+
+
+DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], "mla": ATTENTION["mla"],
+                   "mqa_cla2": ATTENTION["mqa_cla2"], "gqa window": {"n_kv_head": 2, "attn_window": 4},
+                   "gqa int8 cache": ATTENTION["gqa"]}
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
+def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
+    """The compiled step's computation (every slot of the cache, masked, through SDPA with each
+    K/V head's query heads folded into its queries, under the step's backend list) against the
+    naive backend (scores broadcast over each group, no SDPA) reading the same cache: float32
+    logits within 1e-6 at every step, ring wraps included, and the same greedy tokens."""
+    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant])
+    naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).eval()
+    naive.load_state_dict(model.state_dict())
+    cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
+    token, pad = torch.tensor([[3], [4]]), torch.zeros(2, dtype=torch.long)
+    with torch.no_grad():
+        model(torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)), kv_cache=cache)
+        for _ in range(15):
+            input_pos, same_cache = torch.tensor([cache.length]), copy.deepcopy(cache)
+            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True):
+                logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
+            reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
+            torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
+            assert torch.equal(logits.argmax(-1), reference.argmax(-1))
+            cache.advance(1)
+            token = logits.argmax(-1, keepdim=True)                                     # (2, 1)
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
+def test_every_sdpa_call_of_the_decode_step_is_mha_shaped(variant):
+    """What the CUDA kernels need (PyTorch 2.11): no call of the step passes enable_gqa, each has
+    as many query heads as K/V heads, and one mask (the step's fixed shape reads every slot)."""
+    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant])
+    cache = model.new_kv_cache(2)
+    cache.advance(3)
+    with torch.no_grad(), SDPACalls() as calls:
+        model.logits_at(torch.tensor([[3], [4]]), torch.tensor([3]), cache, torch.zeros(2, dtype=torch.long))
+    assert len(calls.made) == model.config.n_layer  # every layer attends, sharing ones too
+    for q, k, v, kwargs in calls.made:
+        assert not kwargs.get("enable_gqa") and q.size(1) == k.size(1) == v.size(1)
+        assert kwargs["attn_mask"] is not None and kwargs["attn_mask"].size(-1) == cache.max_len
 
 
 # Every argument of the public generation API, checked once per call with an error naming it.

@@ -101,5 +101,5 @@ def run_every_command(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_every_command_of_the_readme_and_docs_runs_as_written(docs_commands):
-    docs_commands.result()  # started by conftest with the session; raises what a command raised
+def test_every_command_of_the_readme_and_docs_runs_as_written(started_run):
+    started_run.result()  # started by conftest with the session; raises what a command raised

@@ -1,0 +1,78 @@
+"""The CUDA checks, run with `pytest --gpu tests/test_gpu.py` (the GPU plan's last command; without
+--gpu they are skipped and the suite hides CUDA): the decode step gets a fused SDPA kernel for every
+attention variant and gives the eager and uncached paths' tokens on CUDA, the training step gets
+flash, a torchrun job with more processes than GPUs is refused in one line, and MFU's peak is read
+from the GPU's name."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, variant_model
+from model import GPT, GPTConfig
+from model.device import PEAK_BF16_TFLOPS, Throughput, peak_tflops
+from model.generation import CompiledDecodeStep, generate
+from tests.helpers import ROOT, clean_env, tiny_model
+from tests.test_generation import DECODE_VARIANTS
+
+pytestmark = pytest.mark.gpu  # (conftest: run with --gpu only, on a machine with CUDA)
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_the_decode_step_gets_a_fused_sdpa_kernel_for_every_variant(variant):
+    """GPT-2 small width in bf16, batch 1 and 64: no attention call of the step falls back to math."""
+    model = variant_model(VARIANTS[variant], CUDA, torch.bfloat16, smoke=False)
+    for batch in (1, 64):
+        kernels = decode_step_kernels(model, batch)
+        assert len(kernels) == 12 and not {"math", "none"} & set(kernels), (batch, kernels)
+
+
+def test_the_recipes_training_step_gets_flash():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)).to(CUDA)
+    assert set(training_kernels(model.to(torch.bfloat16), 4)) == {"flash"}
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
+def test_the_compiled_step_on_cuda_gives_the_eager_and_uncached_tokens(variant):
+    """float32 (no TF32), greedy and seeded, two calls with prompts of two lengths, as on the CPU."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA)
+        kv_dtype = torch.int8 if "int8" in variant else None
+        step = CompiledDecodeStep(model, kv_dtype=kv_dtype)
+        for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
+            for length in (1, 7):
+                prompt = torch.arange(1, length + 1, device=CUDA)[None]          # (1, length)
+                generator = lambda: torch.Generator(CUDA).manual_seed(length)  # noqa: B023
+                outs = [generate(model, prompt, 30, kv_cache=cache, decode_step=decode_step,
+                                 kv_dtype=kv_dtype, generator=generator(), **kw)
+                        for cache, decode_step in ((True, step), (True, None), (False, None))]
+                assert torch.equal(outs[0], outs[1]), (kw, length, "compiled vs eager")
+                if kv_dtype is None:  # an int8 cache rounds what the uncached path keeps exact
+                    assert torch.equal(outs[0], outs[2]), (kw, length, "compiled vs uncached")
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_torchrun_with_more_processes_than_gpus_is_one_line(tmp_path):
+    n = torch.cuda.device_count() + 1
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={n}", str(ROOT / "train.py"), "model=tiny",
+                             f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, env=clean_env(),
+                            capture_output=True, text=True, timeout=300)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, errors
+    assert f"--nproc_per_node={n} starts {n} processes" in errors[0]
+    assert f"{n - 1} CUDA device" in errors[0] and not (tmp_path / "run").exists()
+
+
+def test_mfus_peak_is_read_from_this_gpus_name():
+    name = torch.cuda.get_device_name()
+    if not any(model in name for model, _ in PEAK_BF16_TFLOPS):
+        pytest.skip(f"{name} has no peak in PEAK_BF16_TFLOPS (train.peak_tflops sets it)")
+    assert Throughput(1, CUDA).peak_flops == peak_tflops(name) * 1e12 > 0

@@ -1,0 +1,120 @@
+"""benchmarks/gpu.py and the GPU plan (docs/training.md, "On a GPU"), on the CPU: every command of the
+plan runs with --smoke on a prepared corpus with `datasets` made unimportable, each measurement is on
+disk when it ends (a killed run keeps them), and a failed measurement is a row while the next runs."""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu import LEVER_GROUPS, LEVERS, Results, lever_overrides, main
+from tests.helpers import ROOT, clean_env
+
+# A command of the plan as the GPU machine runs it, but with `datasets` unimportable, as it is there:
+# an import of it fails the measurement, and none of what it pulls may have been imported at the end.
+WITHOUT_DATASETS = """import runpy, sys
+sys.modules["datasets"] = None
+sys.argv = {argv!r}
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    pulled = [m for m in ("pyarrow", "multiprocess", "xxhash") if m in sys.modules]
+    assert not pulled, f"imported what datasets pulls: {{pulled}}"
+"""
+
+
+def plan_commands() -> list[str]:
+    """The commands of docs/training.md's plan, in order, comments dropped."""
+    text = (ROOT / "docs" / "training.md").read_text()
+    block = re.search(r"```sh\n(.*?)```", text[text.index("## On a GPU"):], flags=re.S).group(1)
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_plan_measures_every_section_and_lever_and_ends_with_the_cuda_checks():
+    commands = plan_commands()
+    gpu = [shlex.split(c) for c in commands if c.startswith("python3 benchmarks/gpu.py")]
+    assert "probe" in gpu[0] and commands[-1] == "python3 -m pytest --gpu tests/test_gpu.py"
+    sections = {s for argv in gpu for s in " ".join(argv).split("--section ")[1].split(" --")[0].split()}
+    assert sections == {"probe", "train", "optimizer", "decode", "variants"}
+    groups = [argv[argv.index("--levers") + 1] for argv in gpu if "--levers" in argv]
+    assert sorted(lever_overrides(groups)) == sorted(LEVERS) and sorted(groups) == sorted(LEVER_GROUPS)
+    assert all(argv[argv.index("--out") + 1] == "$OUT/gpu" for argv in gpu)  # one results file
+
+
+def run_the_plan(tmp_path) -> Path:
+    """The plan's gpu.py commands, with --smoke, in order, into one --out (returned). The session's
+    prepared corpus (KVGPT_CACHE; conftest prepares it first) stands in for the one the plan
+    carries. conftest starts this with the session, beside the suite."""
+    for command in plan_commands():
+        if command.startswith("python3 benchmarks/gpu.py"):
+            argv = [*shlex.split(command.replace("$OUT", str(tmp_path)))[1:], "--smoke"]
+            result = subprocess.run([sys.executable, "-c", WITHOUT_DATASETS.format(argv=argv)], cwd=ROOT,
+                                    env=clean_env(), capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return tmp_path / "gpu"
+
+
+@pytest.mark.slow
+def test_every_command_of_the_plan_runs_on_the_cpu_without_datasets(started_run):
+    out = started_run.result()  # raises what a command raised
+    rows = Results(out).rows()
+    assert not [r for r in rows if "error" in r]
+    assert {r["section"] for r in rows} == {"probe", "train", "optimizer", "decode", "variants"}
+    assert sorted(r["name"] for r in rows if r["section"] == "train") == sorted(LEVERS)
+    corpus = next(r for r in rows if r["name"] == "prepared corpus")
+    assert corpus["was prepared"] and not corpus["datasets imported"]
+    tables = (out / "tables.md").read_text()
+    assert all(f"### {s}" in tables for s in ("probe", "train", "optimizer", "decode", "variants"))
+    assert (out / "variants.png").stat().st_size > 0
+
+
+def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_data):
+    """SIGKILL after the first lever's row: that row and the tables are on disk, whole."""
+    out = tmp_path / "gpu"
+    proc = subprocess.Popen([sys.executable, "benchmarks/gpu.py", "--smoke", "--section", "train", "--levers",
+                             "speed", "--out", str(out)], cwd=ROOT, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out / "results.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL  # killed before the last of its 4 levers
+    lines = (out / "results.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]  # every line whole
+    assert 1 <= len(rows) < 4 and rows[0]["name"] == "recipe" and rows[0]["tokens/s"] > 0
+    assert "| recipe |" in (out / "tables.md").read_text()
+
+
+def test_a_failed_measurement_is_a_row_and_the_next_one_runs(tmp_path, char_data, capsys):
+    """A lever given as overrides that no model takes (5 K/V heads for 2 query heads) fails with its
+    one-line reason; the recipe after it is measured; the run ends with exit 1 naming the failure."""
+    with pytest.raises(SystemExit, match=r"1 of 2 measurements failed: train: model.n_kv_head=5"):
+        main(["--smoke", "--section", "train", "--levers", "model.n_kv_head=5", "recipe",
+              "--out", str(tmp_path)])
+    failed, recipe = Results(tmp_path).rows()
+    assert failed["error"].startswith("ValueError: ") and "n_kv_head" in failed["error"]
+    assert recipe["name"] == "recipe" and recipe["tokens/s"] > 0 and "error" not in recipe
+    assert "FAILED train: model.n_kv_head=5: ValueError" in capsys.readouterr().out
+
+
+def test_lever_names_groups_and_overrides_are_read_and_anything_else_refused():
+    assert list(lever_overrides(["tuning"])) == LEVER_GROUPS["tuning"]
+    assert lever_overrides(["RoPE", "train.lr=3e-3 model.dropout=0"]) == {
+        "RoPE": ["model.pos_emb=rope"], "train.lr=3e-3 model.dropout=0": ["train.lr=3e-3", "model.dropout=0"]}
+    with pytest.raises(SystemExit, match="--levers: 'Rope' is not a group"):
+        lever_overrides(["Rope"])
+
+
+def test_rows_cut_short_by_a_kill_are_skipped(tmp_path):
+    results = Results(tmp_path)
+    results.add({"section": "train", "name": "recipe", "tokens/s": 1.0})
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write('{"section": "train", "name": "RoP')  # killed while writing
+    assert [r["name"] for r in results.rows()] == ["recipe"]
