@@ -28,6 +28,12 @@ checkpoint is evaluated on its whole val split in each precision.
    (4/4/128, RoPE, block 64), with full attention (which crops the prompt to the block) and with a
    window of 16 (which runs its receptive field, 4 x 15 + 1 tokens), cached and uncached: seconds
    and peak memory, each in a fresh process.
+7. The step by attention variant (`--sections variants`): MHA, GQA (4 K/V heads), MQA and MLA at
+   GPT-2 small width (12/12/768, RoPE), 1024 cached positions, batch 1 and 16: the eager step
+   (reads the written slots, no mask) and the compiled step's formulation (every slot under a mask,
+   SDPA's math kernel, as the CPU's compiled step runs it; here eagerly), tokens/s. Each variant in
+   a fresh process that imports the model from `--code` (default: this checkout), so the same
+   script measures two checkouts side by side (before and after a change).
 """
 
 import argparse
@@ -248,12 +254,50 @@ def long_prompt(length: int = 30_000, new: int = 5) -> None:
                   f"{int(peak) / 1e9:.2f} |")
 
 
+VARIANT_STEPS = """import sys, time, torch
+sys.path.insert(0, {code!r})
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from model import GPT, GPTConfig
+from model.generation import decode_tokens_per_s
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, pos_emb="rope",
+                      **{fields!r})).eval()
+for batch in (1, 16):
+    eager = decode_tokens_per_s(model, batch, 1024, steps=4)
+    cache = model.new_kv_cache(batch)
+    for t in cache.buffers:
+        t.normal_()
+    token, last = torch.zeros(batch, 1, dtype=torch.long), torch.tensor([1023])
+    pad = torch.zeros(batch, dtype=torch.long)
+    step = lambda: model.logits_at(token, last, cache, pad)
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+        step(), step()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(4):
+            step()
+    print(eager, batch * 4 / (time.perf_counter() - t0))"""
+STEP_VARIANTS = {"MHA": {}, "GQA": {"n_kv_head": 4}, "MQA": {"n_kv_head": 1},
+                 "MLA": {"mla_latent_dim": 256, "mla_rope_dim": 32}}
+
+
+def variant_steps(code: str) -> None:
+    print(f"\n### The one-token step by attention variant: GPT-2 small width, RoPE, 1024 cached positions, "
+          f"{torch.get_num_threads()} threads, the model from {code}; tokens/s\n")
+    print("| variant | eager, batch 1 | every slot masked, batch 1 | eager, batch 16 | every slot masked, "
+          "batch 16 |\n| --- | --- | --- | --- | --- |")
+    for name, fields in STEP_VARIANTS.items():
+        out = subprocess.run([sys.executable, "-c", VARIANT_STEPS.format(code=code, fields=fields)], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+        print(f"| {name} | " + " | ".join(f"{float(v):,.1f}" for v in out) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    sections = ["char", "main", "compile", "threads", "kv", "long"]
+    p.add_argument("--code", default=str(ROOT), help="the checkout whose model --sections variants runs")
+    sections = ["char", "main", "compile", "threads", "kv", "long", "variants"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     if args.threads:
@@ -276,6 +320,8 @@ def run(args) -> None:
         cache_precisions()
     if "long" in args.sections:
         long_prompt()
+    if "variants" in args.sections:
+        variant_steps(args.code)
 
 
 if __name__ == "__main__":

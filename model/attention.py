@@ -23,7 +23,7 @@ def causal_mask(T: int, S: int, device=None, window: int | None = None) -> torch
 def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) -> torch.Tensor:
     """A mask for scores (B, n_kv_head * n_rep, T, S) as one for the same scores with the query
     heads folded, (B, n_kv_head, n_rep * T, S): query head h = kv * n_rep + r becomes query r * T + t
-    of K/V head kv. `mask` broadcasts to the first: (S,), (T, S), (B, 1, T, S), (B, n_head, T, S)."""
+    of K/V head kv. `mask` broadcasts to the first: (T, S), (B, 1, T, S) or (B, n_head, T, S)."""
     mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape)               # (B or 1, 1 or n_head, ., S)
     if mask.size(1) == 1:  # the same for every head: repeated for the n_rep queries of each K/V head
         return mask.unsqueeze(2).expand(-1, 1, n_rep, T, S).reshape(-1, 1, n_rep * T, S)

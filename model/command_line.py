@@ -43,6 +43,12 @@ def raised_inside_torch(error: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
+def user_error(message: str) -> str | int:
+    """What a process exits with for a user error: `error: <message>`, printed, or under torchrun,
+    where every process of a machine checks the same options, 1 from all but the machine's first."""
+    return f"error: {message}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1
+
+
 def exit_on_user_error(fn, *args, **kwargs):
     """fn(*args, **kwargs); a user error ends the process with one line and exit code 1, Ctrl-C
     with exit code 130 and no traceback (after the `finally` blocks that clean up have run)."""
@@ -58,8 +64,7 @@ def exit_on_user_error(fn, *args, **kwargs):
         bug = isinstance(e, ValueError) and raised_inside_torch(e)
         if bug or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        # Under torchrun every process checks the same options: the first one says what is wrong.
-        sys.exit(f"error: {one_line(e)}" if int(os.environ.get("RANK", 0)) == 0 else 1)
+        sys.exit(user_error(one_line(e)))
     finally:
         if replace:
             signal.signal(signal.SIGINT, previous)
@@ -94,7 +99,7 @@ def composed_jobs(config_dir, config_name: str, argv: list[str]) -> list[tuple[D
                     del cfg["hydra"]
                 composed.append((cfg, [o for o in job if not o.lstrip("+~").startswith("hydra")]))
     except (HydraException, OmegaConfBaseException) as e:
-        sys.exit(f"error: {hydra_one_line(e)}")
+        sys.exit(user_error(hydra_one_line(e)))
     return composed
 
 

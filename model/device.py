@@ -167,7 +167,7 @@ def synchronized_clock(device: torch.device):
 # Dense bf16 peaks (TFLOP/s, NVIDIA's datasheets), matched in this order in the device's name:
 # the NVL and PCIe cards of a generation run slower clocks than its SXM one.
 PEAK_BF16_TFLOPS = (("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-                    ("H200", 989.0), ("GH200", 989.0), ("A100", 312.0))
+                    ("H200", 989.0), ("A100", 312.0))  # (GH200's name holds "H200")
 
 
 def peak_tflops(device_name: str) -> float | None:

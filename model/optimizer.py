@@ -5,7 +5,7 @@
            2-D weight matrices inside the blocks, AdamW on the rest: embeddings, the head, norms
            and biases (modded-nanogpt's split). Muon's step is scaled to AdamW's update size
            (adjust_lr_fn="match_rms_adamw"), so both take the one learning rate of the schedule.
-           On a CPU, `Float32Muon`: the same step with Newton-Schulz in float32, batched by shape.
+           `BatchedMuon`: that step with Newton-Schulz batched by matrix shape (float32 off CUDA).
 
 Both are one object with `param_groups`, `step`, `zero_grad` and `state_dict`, so the training
 loop and checkpoints treat them alike.
@@ -42,12 +42,13 @@ def configure_optimizer(model: nn.Module, name: str, lr: float, betas: tuple[flo
 class BatchedMuon(torch.optim.Muon):
     """torch.optim.Muon (PyTorch 2.13) with its Newton-Schulz iteration run on all the matrices of
     one shape at once: a batched matrix product instead of one per matrix, a few kernel launches a
-    step instead of ~40 per matrix (a GPU's launch overhead at this model size). On a GPU in
-    bfloat16, as PyTorch's; on a CPU in float32: one without bf16 matrix instructions (AVX2)
-    emulates them, a step of the CPU main job taking 8x AdamW's, and one with them (AVX512-BF16) ran
-    the main job no faster (63-72 s against 59-65 s in float32; benchmarks/RESULTS.md). Same
-    hyperparameters, state ("momentum_buffer") and update; only the batching and, on a CPU, the
-    precision differ (PyTorch has no option for either). `ns_dtype` overrides the precision."""
+    step instead of ~40 per matrix (a GPU's launch overhead at this model size). On CUDA in
+    bfloat16, as PyTorch's; elsewhere in float32 (MPS's bf16 needs macOS 14). On a CPU, one without
+    bf16 matrix instructions (AVX2) emulates them, a step of the CPU main job taking 8x AdamW's, and
+    one with them (AVX512-BF16) ran the main job no faster (63-72 s against 59-65 s in float32;
+    benchmarks/RESULTS.md). Same hyperparameters, state ("momentum_buffer") and update; only the
+    batching and, off CUDA, the precision differ (PyTorch has no option for either). `ns_dtype`
+    overrides the precision."""
 
     def __init__(self, params, ns_dtype: torch.dtype | None = None, **muon_options):
         super().__init__(params, **muon_options)
@@ -69,7 +70,7 @@ class BatchedMuon(torch.optim.Muon):
                 shapes.setdefault(p.shape, []).append(i)
             for indices in shapes.values():
                 stack = torch.stack([updates[i] for i in indices])       # (n, A, B)
-                dtype = self.ns_dtype or (torch.float32 if stack.device.type == "cpu" else torch.bfloat16)
+                dtype = self.ns_dtype or (torch.bfloat16 if stack.device.type == "cuda" else torch.float32)
                 ortho = newton_schulz(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
                 for i, update in zip(indices, ortho):
                     p = params[i]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from model.command_line import exit_on_user_error
+from model.command_line import exit_on_user_error, user_error
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
 
 # Each entry point run as a real process, with a bad value the other tests do not cover, and the
@@ -151,3 +151,12 @@ def test_hydra_full_error_reraises_in_process(monkeypatch):
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_every_entry_point_reports_one_line(name, entry_point_runs):
     assert_one_line_error(finish(entry_point_runs[name]), ENTRY_POINTS[name][1])
+
+
+def test_under_torchrun_the_first_process_of_each_machine_says_the_error(monkeypatch):
+    """Every process checks the same options; the others exit 1 without a word (a job's one line)."""
+    assert user_error("bad") == "error: bad"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert user_error("bad") == "error: bad"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert user_error("bad") == 1

@@ -1,8 +1,8 @@
 """The CUDA checks, run with `pytest --gpu tests/test_gpu.py` (the GPU plan's last command; without
 --gpu they are skipped and the suite hides CUDA): the decode step gets a fused SDPA kernel for every
 attention variant and gives the eager and uncached paths' tokens on CUDA, the training step gets
-flash, a torchrun job with more processes than GPUs is refused in one line, and MFU's peak is read
-from the GPU's name."""
+flash, a torchrun job with more processes than GPUs is refused in one line, MFU's peak is read from
+the GPU's name, and BatchedMuon steps as PyTorch's Muon."""
 
 import subprocess
 import sys
@@ -14,6 +14,7 @@ from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, vari
 from model import GPT, GPTConfig
 from model.device import PEAK_BF16_TFLOPS, Throughput, peak_tflops
 from model.generation import CompiledDecodeStep, generate
+from model.optimizer import BatchedMuon
 from tests.helpers import ROOT, clean_env, tiny_model
 from tests.test_generation import DECODE_VARIANTS
 
@@ -76,3 +77,23 @@ def test_mfus_peak_is_read_from_this_gpus_name():
     if not any(model in name for model, _ in PEAK_BF16_TFLOPS):
         pytest.skip(f"{name} has no peak in PEAK_BF16_TFLOPS (train.peak_tflops sets it)")
     assert Throughput(1, CUDA).peak_flops == peak_tflops(name) * 1e12 > 0
+
+
+def test_batched_muon_on_cuda_steps_as_torch_muon():
+    """bf16 Newton-Schulz batched by shape against PyTorch's per matrix: bit for bit on a CPU; on
+    CUDA the kernels may sum in another order, so within a small part of the update's size."""
+    torch.manual_seed(0)
+    shapes = [(384, 1152)] * 3 + [(384, 384)]  # the recipe's: stacks of 3 and of 1
+    params = [torch.nn.Parameter(torch.randn(shape, device=CUDA)) for shape in shapes]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    kw = dict(lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours, theirs = BatchedMuon(params, **kw), torch.optim.Muon(copies, **kw)
+    for _ in range(3):
+        for p, c in zip(params, copies):
+            p.grad = torch.randn_like(p)
+            c.grad = p.grad.clone()
+        ours.step()
+        theirs.step()
+    for p, c in zip(params, copies):
+        step = kw["lr"] * 0.2 * max(p.shape) ** 0.5
+        assert (p - c).abs().max() < 0.05 * step
