@@ -61,8 +61,8 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
         raise ValueError(f"wandb.mode={cfg.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}")
     with naming("train.device", "device"):
         device = pick_device(train_cfg.device)
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
-    check_processes(device, local_processes, torch.cuda.device_count() if device.type == "cuda" else 0)
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
+        check_processes(device, local_processes, torch.cuda.device_count() if device.type == "cuda" else 0)
     if source is None and cfg.init_from:
         option = f"init_from={cfg.init_from}"
         with naming("init_from"):

@@ -69,7 +69,8 @@ def test_torchrun_with_more_processes_than_gpus_is_one_line(tmp_path):
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, errors
     assert f"--nproc_per_node={n} starts {n} processes" in errors[0]
-    assert f"{n - 1} CUDA device" in errors[0] and not (tmp_path / "run").exists()
+    assert f"{n - 1} CUDA device" in errors[0] and "(or train.device=cpu)" in errors[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_mfus_peak_is_read_from_this_gpus_name():
