@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT))  # the GPU machine runs it from a checkout, not an
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
@@ -237,8 +236,7 @@ def probe_section(results: Results, device: torch.device, smoke: bool) -> None:
     measure(results, "probe", "versions", lambda: versions(device))
     measure(results, "probe", "ceilings", lambda: ceilings(device, smoke))
     measure(results, "probe", "prepared corpus", prepared_corpus)
-    backend = "aot_eager" if smoke else "inductor"  # (inductor on a CPU: ~15 s for the toy training step)
-    measure(results, "probe", "torch.compile", lambda: compile_works(device, backend))
+    measure(results, "probe", "torch.compile", lambda: compile_works(device, smoke))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for name, fields in VARIANTS.items():
         model = lambda fields=fields, block=1024: variant_model(fields, device, dtype, smoke, block)
@@ -293,22 +291,26 @@ def prepared_corpus() -> dict:
     return {"cache": str(folder), "was prepared": found, "datasets imported": imported}
 
 
-def compile_works(device: torch.device, backend: str) -> dict:
-    """torch.compile of a small GPT's training step (with `backend`) and of its decode step (CUDA
-    graphs on CUDA): seconds each, and the graphs launched per decoded token."""
+def compile_works(device: torch.device, smoke: bool) -> dict:
+    """torch.compile of a small GPT's training step and of its decode step (CUDA graphs on CUDA):
+    seconds each, and the graphs launched per decoded token. A smoke run compiles the training step
+    without inductor and leaves the decode step to the decode section (inductor's compiles take
+    most of a smoke run's CPU)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64)).to(device)
     idx = torch.randint(0, 65, (4, 64), device=device)
     t0 = time.perf_counter()
-    _, loss = torch.compile(model, backend=backend)(idx, idx)
+    _, loss = torch.compile(model, backend="aot_eager" if smoke else "inductor")(idx, idx)
     loss.backward()
-    train_s = time.perf_counter() - t0
+    row = {"training step compiled s": time.perf_counter() - t0}
+    if smoke:
+        return row
     model.eval()
     t0 = time.perf_counter()
     step = CompiledDecodeStep(model)
     generate(model, idx[:1, :3], 8, temperature=0, decode_step=step)
-    return {"training step compiled s": train_s, "decode step compiled s": time.perf_counter() - t0,
-            "CUDA graphs launched per token": graph_launches_per_token(model, step)}
+    return row | {"decode step compiled s": time.perf_counter() - t0,
+                  "CUDA graphs launched per token": graph_launches_per_token(model, step)}
 
 
 def graph_launches_per_token(model: GPT, step: CompiledDecodeStep, new: int = 16) -> float:
@@ -369,8 +371,9 @@ def train_lever(argv: list[str]) -> dict:
     if not jobs:
         raise ValueError(f"not a train.py command line: {' '.join(argv)}")
     [(cfg, overrides)] = jobs
-    torch.compiler.reset()  # each lever compiles afresh, as its own process would, and none
-    # meets dynamo's recompile limit on GPT.forward, which the levers' models would share
+    if "torch._dynamo" in sys.modules:  # (not imported: nothing was compiled)
+        torch.compiler.reset()  # each lever compiles afresh, as its own process would, and none
+        # meets dynamo's recompile limit on GPT.forward, which the levers' models would share
     run = check_options(cfg, overrides)
     with tempfile.TemporaryDirectory() as run_dir:
         result = train(run, Path(run_dir) / "run")
@@ -438,9 +441,11 @@ def same_tokens(model, step: CompiledDecodeStep, new: int) -> bool:
     return True
 
 
-def decode_row(shape: tuple, device: torch.device) -> dict:
+def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     """One model shape: whether the paths agree (float32), then each one's batch-1 tokens/s in the
-    decoding dtype, our compiled step's CUDA graphs counted right after its own timing."""
+    decoding dtype, our compiled step's CUDA graphs counted right after its own timing. (A smoke
+    run compiles the step without inductor's code generation: most of its CPU time otherwise.)"""
+    backend = "aot_eager" if smoke else "inductor"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf, ours = decode_models(shape, device)
     new = min(500, shape[1] - 2)
@@ -449,12 +454,14 @@ def decode_row(shape: tuple, device: torch.device) -> dict:
     # near-ties may then break either way), with float32 matmuls, not TF32.
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    step = CompiledDecodeStep(ours)
+    from torch._dynamo.utils import counters  # (slow to import: only where it is read)
+
+    step = CompiledDecodeStep(ours, backend=backend)
     identical = same_tokens(ours, step, 20)
     torch.set_float32_matmul_precision(precision)
     if dtype != torch.float32:  # (a smoke run decodes in float32: the step compiled above serves)
         hf, ours = hf.to(dtype), ours.to(dtype)
-        step = CompiledDecodeStep(ours)
+        step = CompiledDecodeStep(ours, backend=backend)
     skipped = counters["inductor"]["cudagraph_skips"]
     speed = {"ours, compiled step": lambda: generate(ours, prompt, new, temperature=0, decode_step=step)}
     tokens_per_s = {k: new / (timed_ms(fn, device, repeat=2) / 1e3) for k, fn in speed.items()}
@@ -478,7 +485,7 @@ def decode_row(shape: tuple, device: torch.device) -> dict:
 def decode_section(results: Results, device: torch.device, smoke: bool) -> None:
     for name, (vocab, block, n_layer, n_head, n_embd) in DECODE_SHAPES.items():
         shape = (vocab, 64, 2, 2, 32) if smoke else (vocab, block, n_layer, n_head, n_embd)
-        measure(results, "decode", name, lambda shape=shape: decode_row(shape, device))
+        measure(results, "decode", name, lambda shape=shape: decode_row(shape, device, smoke))
 
 
 # ----------------------------------------------------------------------------- variants

@@ -303,9 +303,11 @@ class CompiledDecodeStep:
     pad and the position are tensors allocated here and written in place (`stream` fills the rows a
     smaller batch leaves free; their outputs are dropped). So every prompt length, number of new
     tokens and batch up to batch_size runs the one graph, and on CUDA it is a CUDA graph: the
-    static buffers are graph inputs that replay in place."""
+    static buffers are graph inputs that replay in place. `backend` is torch.compile's: inductor
+    generates the step's code; aot_eager traces the same graph and runs it eagerly (a quick check
+    of the step without the seconds of code generation, as the GPU plan's smoke run uses)."""
 
-    def __init__(self, model, batch_size: int = 1, kv_dtype=None):
+    def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor"):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
         self.model = model
@@ -327,8 +329,8 @@ class CompiledDecodeStep:
         # recompile limit (8; with fullgraph, the 9th is an error), and every step of another model
         # shape or batch size would add one to a shared one. Each step has exactly one graph.
         logits_at.__code__ = logits_at.__code__.replace()
-        self.compiled = torch.compile(logits_at, mode="reduce-overhead" if self.on_cuda else None,
-                                      dynamic=False, fullgraph=True)
+        mode = "reduce-overhead" if self.on_cuda and backend == "inductor" else None
+        self.compiled = torch.compile(logits_at, backend=backend, mode=mode, dynamic=False, fullgraph=True)
 
     def __call__(self, token, cache, pad=None):
         """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length."""
