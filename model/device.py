@@ -188,7 +188,8 @@ class Throughput:
         self.tokens_per_step, self.clock = tokens_per_step, synchronized_clock(device)
         self.flops_per_device = flops_per_token / world_size
         if peak_flops is None and device.type == "cuda":
-            peak_flops = (peak_tflops(torch.cuda.get_device_name(device)) or 0) * 1e12
+            tflops = peak_tflops(torch.cuda.get_device_name(device))
+            peak_flops = tflops and tflops * 1e12  # None for a GPU of unknown peak: no MFU
         self.peak_flops = peak_flops
         self.steps, self.start = None, None  # the first step has not ended
 
