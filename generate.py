@@ -24,15 +24,16 @@ import hydra
 import torch
 from hydra.core.config_store import ConfigStore
 
+from cli.configs import CONFIGS, composed_jobs, config_object, quote_literal_options
+from cli.errors import exit_on_user_error, naming
 from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
-from model.command_line import composed_jobs, config_object, exit_on_user_error, naming, quote_literal_options
+from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
-from model.device import DTYPES, check_device, memory_bytes, pick_device
-from model.generation import CompiledDecodeStep, check_sampling, left_pad, load_model, stream, timed_stream
+from model.device import Precision, check_device, memory_bytes, pick_device
+from model.generation import CompiledDecodeStep, Sampling, left_pad, load_model, stream, timed_stream
 from model.kv_cache import KV_DTYPES
-from model.plots import plot_attention
-from model.run_dir import latest_run
+from training.plots import pyplot
 
 
 @dataclass
@@ -53,7 +54,7 @@ class GenerateConfig:
     kv_cache: bool = True
     kv_dtype: str | None = None    # float32 | bfloat16 | int8 (per-position scales); None: the decode dtype
     compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
-    dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.decode_precision)
+    dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.Precision)
     quantize: str | None = "auto"  # auto | int8 (weight-only int8 Linear layers) | null
     device: str = "auto"
     benchmark: bool = False        # print prefill/decode tokens/s and the cache size instead
@@ -70,14 +71,11 @@ class GenerateConfig:
         check_integer(self.num_samples, "num_samples", 1)
         check_integer(self.seed, "seed", 0)
         check_integer(self.attn_layer, "attn_layer", 0)
-        check_sampling(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                       top_k=self.top_k, top_p=self.top_p)
-        if self.dtype not in ("auto", *DTYPES):
-            raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
+        # The library's own objects, made (and so checked) once, here: the run hands them on.
+        self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        self.precision = Precision(self.dtype, self.quantize)
         if self.kv_dtype not in (None, *KV_DTYPES):
             raise ValueError(f"kv_dtype must be null or one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.quantize not in (None, "auto", "int8"):
-            raise ValueError(f"quantize must be null, auto or int8, got {self.quantize!r}")
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")
@@ -139,7 +137,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         print(f"ckpt: {source} (the latest run in outputs/; choose another with ckpt=...)", file=sys.stderr)
     device = pick_device(cfg.device)  # its errors name `device`, as the option is called here
     with naming("ckpt"):
-        model, ckpt = load_model(source, device, cfg.dtype, cfg.quantize)
+        model, ckpt = load_model(source, device, cfg.precision)
         tokenizer = tokenizer_from_meta(ckpt.data_meta)
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
@@ -163,11 +161,52 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     # gives for that prompt alone, however the prompts are batched.
     generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
                   for i in range(len(prompts))]
-    tokens = stream(model, idx, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k,
-                    top_p=cfg.top_p, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
+    tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
                     decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype)
     texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
     return [p + t for p, t in zip(prompts, texts)]
+
+
+@torch.no_grad()
+def attention_weights(model, ids: list[int], layer: int) -> torch.Tensor:
+    """(n_head, T, T): the attention weights of `layer` over the tokens `ids` (naive backend)."""
+    if not 0 <= layer < model.config.n_layer:
+        raise ValueError(f"attn_layer must be in 0..{model.config.n_layer - 1}, got {layer}")
+    attn = model.blocks[layer].attn
+    attn.keep_weights = True
+    try:
+        model(torch.tensor([ids], device=model.wte.weight.device))
+        return attn.weights[0].float().cpu()                           # (n_head, T, T)
+    finally:
+        attn.keep_weights, attn.weights = False, None
+
+
+def plot_attention(model, ids: list[int], labels: list[str], layer: int, path) -> None:
+    """One heatmap per head of `layer`'s attention over the tokens `ids`, labelled `labels`."""
+    weights = attention_weights(model, ids, layer)
+    plt = pyplot()
+    config = model.config
+    n_head, group = weights.size(0), config.n_head // config.n_kv_head
+    # Which keys a head reads: its K/V head (MLA: its own up-projection of the latent), made by
+    # the first layer of this layer's group of kv_share layers.
+    source = "" if layer % config.kv_share == 0 else f" of layer {layer - layer % config.kv_share}"
+    cols = min(4, n_head)
+    rows = -(-n_head // cols)
+    size = max(3.0, 0.25 * len(ids))
+    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows), squeeze=False)
+    for h, ax in enumerate(axes.flat):
+        if h >= n_head:
+            ax.axis("off")
+            continue
+        ax.imshow(weights[h], cmap="viridis", vmin=0, vmax=1)
+        kv = f"latent{source}" if config.mla_latent_dim is not None else f"kv head {h // group}{source}"
+        ax.set_title(f"layer {layer}, head {h} ({kv})")
+        ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(len(ids)), labels, fontsize=7)
+        ax.set(xlabel="key", ylabel="query")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)  # several axes: save_figure's grid is for one
 
 
 def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) -> list[str]:
@@ -243,5 +282,5 @@ def main(cfg) -> None:
 
 if __name__ == "__main__":
     sys.argv[1:] = quote_literal_options(sys.argv[1:], LITERAL_OPTIONS)
-    composed_jobs(Path(__file__).parent / "configs", "generate", sys.argv[1:])  # Hydra's errors: one line
+    composed_jobs(CONFIGS, "generate", sys.argv[1:])  # Hydra's errors: one line
     main()

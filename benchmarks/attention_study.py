@@ -42,18 +42,19 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from cli.configs import composed_jobs, config_object
+from cli.errors import exit_on_user_error, naming
+from cli.options import check_options, model_config
 from data.prepare import load_prepared
 from model import GPT
-from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 from model.config import check_integer_fields
 from model.convert import convert_checkpoint
-from model.device import pick_device
-from model.evaluation import split_loss
+from model.device import Precision, pick_device
 from model.generation import decode_tokens_per_s, load_model
-from model.plots import pyplot, save_figure
-from model.run_config import model_config
-from model.run_dir import read_metrics
-from train import check_options, train
+from training.evaluation import split_loss
+from training.loop import train
+from training.plots import pyplot, save_figure
+from training.run_dir import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
@@ -159,7 +160,7 @@ def int8_record(run_dir: Path, run, device) -> dict:
     """What scoring a trained run through an int8 cache gives the study: the whole-val-split loss
     of its last weights (ckpt.pt, those of its own score) through an int8 cache and through a
     float32 one, teacher-forced. Not trained: no curve, no training speed."""
-    model, _ = load_model(run_dir / "ckpt.pt", device, dtype="float32", quantize=None)
+    model, _ = load_model(run_dir / "ckpt.pt", device, Precision("float32", None))
     val, batch = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64")), run.train.batch_size
     return {"val_loss": split_loss(model, val, windows_per_batch=batch, kv_dtype=torch.int8),
             "float32_cache_loss": split_loss(model, val, windows_per_batch=batch, kv_dtype=torch.float32),
@@ -169,7 +170,7 @@ def int8_record(run_dir: Path, run, device) -> dict:
 def summarize(runs: list[dict], run_dir: Path, device, study, kv_dtype=None) -> dict:
     """One row of the table: the variant's model facts, its cache's size (in kv_dtype, default
     float32), and its runs' mean and spread."""
-    model, _ = load_model(run_dir / "best.pt", device, dtype="float32", quantize=None)
+    model, _ = load_model(run_dir / "best.pt", device, Precision("float32", None))
     config, cache = model.config, model.new_kv_cache(1, dtype=kv_dtype)
     losses = [r["val_loss"] for r in runs]
     speeds = [r["train_tokens_per_s"] for r in runs if r["train_tokens_per_s"] is not None]

@@ -47,14 +47,15 @@ from pathlib import Path
 
 import torch
 
+from cli.errors import exit_on_user_error
 from data.prepare import DataConfig, load_prepared, prepare
-from model import GPT, GPTConfig
-from model.command_line import exit_on_user_error
+from model import GPT, GPTConfig, generate
+from model.checkpoint import latest_run
 from model.convert import llama_weights
-from model.evaluation import split_loss
-from model.generation import CompiledDecodeStep, decode_tokens_per_s, for_decoding, load_model, stream
+from model.device import Precision
+from model.generation import CompiledDecodeStep, Sampling, decode_tokens_per_s, for_decoding, load_model, stream
 from model.kv_cache import KV_DTYPES
-from model.run_dir import latest_run
+from training.evaluation import split_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,7 +71,7 @@ PRECISIONS = {  # name: (dtype, quantize, compile)
 def sample_seconds(model, prompt, new: int, decode_step=None) -> float:
     generator = torch.Generator().manual_seed(1337)
     t0 = time.perf_counter()
-    for _ in stream(model, prompt, new, temperature=0.8, top_k=200, generator=generator,
+    for _ in stream(model, prompt, Sampling(new, temperature=0.8, top_k=200), generator=generator,
                     decode_step=decode_step):
         pass
     return time.perf_counter() - t0
@@ -94,7 +95,7 @@ def compare(title: str, hf, load, new: int) -> None:
     check = min(new, exact.config.block_size - 1)  # past the block, ours refills its cache, theirs goes on
     greedy_hf = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=check,
                             do_sample=False, pad_token_id=0)
-    same = (greedy_hf == exact.generate(prompt, check, temperature=0)).float().mean().item()
+    same = (greedy_hf == generate(exact, prompt, check, temperature=0)).float().mean().item()
     hf_first = hf_sample_seconds(hf, prompt, new)
     hf_s = hf_sample_seconds(hf, prompt, new)
     print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
@@ -128,7 +129,7 @@ def char_shape(new: int) -> None:
     def load(dtype, quantize):
         model = GPT(config)
         model.load_state_dict(weights)
-        return for_decoding(model, "cpu", dtype, quantize)
+        return for_decoding(model, "cpu", Precision(dtype, quantize))
 
     compare(f"6/6/384 char shape, block {block} (random weights), vs transformers GPT-2", hf, load, new)
 
@@ -136,13 +137,13 @@ def char_shape(new: int) -> None:
 def main_job(ckpt: str, new: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    fp32, saved = load_model(ckpt, "cpu", "float32", None)
+    fp32, saved = load_model(ckpt, "cpu", Precision("float32", None))
     config, state = llama_weights(fp32)
     hf = LlamaForCausalLM(LlamaConfig(**config)).eval()
     hf.load_state_dict(state)
     c = fp32.config
     compare(f"CPU main job's model ({c.n_layer}/{c.n_head}/{c.n_embd}, {ckpt}), vs transformers Llama",
-            hf, lambda dtype, quantize: load_model(ckpt, "cpu", dtype, quantize)[0], new)
+            hf, lambda dtype, quantize: load_model(ckpt, "cpu", Precision(dtype, quantize))[0], new)
 
     _, _, val = load_prepared(prepare(DataConfig(**saved.config["data"])))
     val = torch.from_numpy(val.astype("int64"))
@@ -152,7 +153,7 @@ def main_job(ckpt: str, new: int) -> None:
     for name, (dtype, quantize, _) in PRECISIONS.items():
         if name.startswith("fastest"):
             continue  # compiling changes no weights: the same model as the default
-        loss = split_loss(load_model(ckpt, "cpu", dtype, quantize)[0], val)
+        loss = split_loss(load_model(ckpt, "cpu", Precision(dtype, quantize))[0], val)
         exact = loss if exact is None else exact
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
 
@@ -231,13 +232,13 @@ def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> N
 
 
 LONG_PROMPT = """import resource, time, torch
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, generate
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, pos_emb="rope",
                       attn_window={window})).eval()
 prompt = torch.randint(0, 65, (1, {length}))
 t0 = time.perf_counter()
-model.generate(prompt, {new}, temperature=0, kv_cache={kv_cache})
+generate(model, prompt, {new}, temperature=0, kv_cache={kv_cache})
 print(time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"""
 
 

@@ -52,9 +52,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from model import GPT, GPTConfig  # noqa: E402
-from model.device import peak_tflops, synchronized_clock  # noqa: E402
+from model.device import synchronized_clock  # noqa: E402
 from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
-from model.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
+from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
+from training.throughput import peak_tflops  # noqa: E402
 
 TARGET = 1.4697  # nanoGPT's val loss with its GPU recipe (5000 iterations; ~3 minutes on an A100)
 RECIPE = ["experiment=shakespeare_char_gpu", "train.checkpoints=false"]  # timing runs: no checkpoint writes
@@ -280,8 +281,8 @@ def ceilings(device: torch.device, smoke: bool) -> dict:
 def prepared_corpus() -> dict:
     """The char corpus's prepared folder (data.cache_dir: KVGPT_CACHE), and whether finding it
     imported `datasets` (it must not: the GPU machine has none)."""
+    from cli.configs import composed_jobs, config_object
     from data.prepare import prepare
-    from model.command_line import composed_jobs, config_object
 
     [(cfg, _)] = composed_jobs(ROOT / "configs", "prepare", ["data=shakespeare_char"])  # the recipe's data
     data_cfg = config_object(cfg.data, "data.")
@@ -361,10 +362,10 @@ def train_section(results: Results, levers: dict[str, list[str]], smoke: bool) -
 
 def train_lever(argv: list[str]) -> dict:
     """One training run as `python train.py <argv>` runs it, in this process, in a temporary run dir."""
-    from model.command_line import composed_jobs
-    from model.run_config import check_options
-    from model.run_dir import read_metrics
-    from train import train  # (imports Hydra, which the other sections do without)
+    from cli.configs import composed_jobs
+    from cli.options import check_options
+    from training.loop import train  # (imports Hydra, which the other sections do without)
+    from training.run_dir import read_metrics
 
     print(f"python train.py {' '.join(argv)}", flush=True)
     jobs = composed_jobs(ROOT / "configs", "train", argv)
@@ -554,7 +555,7 @@ def variants_section(results: Results, device: torch.device, smoke: bool) -> Non
 
 def plot_variants(rows: list[dict], path: Path) -> None:
     """Tokens/s against peak memory, one line per variant through its batch sizes."""
-    from model.plots import pyplot, save_figure
+    from training.plots import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(6, 4))
     for name in dict.fromkeys(r["variant"] for r in rows):

@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from model import GPT, checkpoint
-from model.optimizer import configure_optimizer
-from model.run_dir import read_metrics
+from training.optimizer import configure_optimizer
+from training.run_dir import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "data" / "assets" / "tinyshakespeare.txt"

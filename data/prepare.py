@@ -2,7 +2,7 @@
 character, tokenize it with Hugging Face `datasets`, and write uint16/uint32 token arrays plus
 meta.json. Idempotent, and offline: nothing is downloaded.
 
-    python -m data.prepare data=shakespeare_char     # or data=shakespeare_bpe, data=text_files ...
+    python -m cli.prepare data=shakespeare_char      # or data=shakespeare_bpe, data=text_files ...
 
 `DataConfig` is the schema of the `data` config group (configs/data/); `prepare(DataConfig)`
 returns the folder of the prepared arrays and `load_prepared` reads it back.
@@ -14,19 +14,15 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import numpy as np
-from hydra.core.config_store import ConfigStore
 
 from data.tokenizer import BPETokenizer, CharTokenizer, meta_vocab_size
-from model.command_line import composed_jobs, config_object, exit_on_user_error, naming
 
 FORMAT_VERSION = 2  # 2: paths with glob characters were dropped by datasets in 1; prepared again
 TOKENIZERS = ("char", "bpe")
@@ -65,8 +61,6 @@ class DataConfig:
             raise ValueError(f"data.name={self.name!r} must be a plain name (letters, digits, '_', '-', '.'; "
                              f"not starting with '.'): it names the prepared folder in data.cache_dir")
 
-
-ConfigStore.instance().store(group="data", name="schema", node=DataConfig)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -122,8 +116,10 @@ def prepare(cfg: DataConfig) -> Path:
     """Prepare the corpus described by a `data` config; returns the folder of the token arrays.
     The folder's name carries a hash of the inputs, so identical inputs are prepared once."""
     files = corpus_files(cfg)
-    with naming("data.path"):
+    try:
         source = read_text_files(files)
+    except (OSError, ValueError) as e:  # which file and why, as data.path's
+        raise type(e)(f"data.path: {e}") from e
     source_sha256 = sha256_bytes(source)
     expected = BUILT_IN[cfg.name][1] if cfg.path is None else cfg.sha256
     if expected and source_sha256 != expected:
@@ -238,21 +234,3 @@ def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
         if len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(f"{name}.npy holds token id {int(tokens.max())}, past the vocabulary "
                              f"({vocab_size})")
-
-
-def report(cfg) -> None:
-    """`python -m data.prepare`: prepare cfg.data and say what is where."""
-    out_dir = prepare(config_object(cfg.data, "data."))
-    meta = load_prepared(out_dir)[0]
-    print(f"{out_dir}: {meta['tokenizer']} vocab {meta['vocab_size']}, "
-          f"{meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
-
-
-@hydra.main(config_path="../configs", config_name="prepare", version_base="1.3")
-def main(cfg) -> None:
-    exit_on_user_error(report, cfg)
-
-
-if __name__ == "__main__":
-    composed_jobs(Path(__file__).parents[1] / "configs", "prepare", sys.argv[1:])  # Hydra's errors: one line
-    main()

@@ -1,25 +1,22 @@
 """The checkpoint format, read and written only here: one `torch.save` file of a dict whose keys
 are the fields of `Checkpoint`, written atomically (a temp file, then a rename) and read with
-`torch.load(weights_only=True)`, which never unpickles arbitrary objects; and the RNG state a
-checkpoint keeps so that a resumed run continues exactly.
+`torch.load(weights_only=True)`, which never unpickles arbitrary objects; finding one in a run dir;
+and checking its weights against a model.
 """
 
 import dataclasses
 import math
 import os
-import random
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from model.config import GPTConfig
-from model.device import gather_from_ranks
 from model.gpt import GPT
-from model.run_dir import RUN_FILES
 
+RUN_FILES = ("ckpt.pt", "best.pt")  # a run dir's checkpoints: the last state, and the best val loss
 GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
 
 
@@ -55,6 +52,15 @@ def find(path, prefer: str = "ckpt.pt") -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     return path
+
+
+def latest_run(root="outputs") -> Path:
+    """The run dir under `root` whose checkpoint was written last."""
+    checkpoints = [p for name in RUN_FILES for p in Path(root).rglob(name) if p.is_file()]
+    if not checkpoints:
+        raise FileNotFoundError(f"ckpt is not set and {root}/ holds no run with a checkpoint: train one "
+                                f"with `python train.py`, or give ckpt=<run dir or checkpoint file>")
+    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
 
 
 def save(path, ckpt: Checkpoint) -> Path:
@@ -150,57 +156,15 @@ def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
     return ckpt
 
 
-def seed_rngs(seed: int) -> None:
-    """Seed the process-wide RNGs that rng_state() saves (CUDA's with torch's)."""
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)  # numpy's legacy seeds are 32-bit
-    random.seed(seed)
-
-
-def rng_state(device: torch.device) -> dict:
-    """This process's RNGs (torch, its CUDA device's, numpy, python), as tensors and plain data.
-    A training checkpoint keeps one per process (see restore_rng)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
-        "python": random.getstate(),
-    }
-
-
-def rng_states_of_ranks(device: torch.device) -> list[dict]:
-    """Every process's rng_state(), in rank order, gathered to each (one in a single process)."""
-    return gather_from_ranks(rng_state(device))
-
-
-def restore_rng(processes: list[dict], rank: int, device: torch.device) -> None:
-    """Restore this process's RNGs from the rng_state() of each process of the saving run: rank r
-    takes rank r's, its CUDA state only onto its own device. A rank the saving run did not have
-    keeps its fresh seed, and a state saved on CUDA is skipped on a CPU: resuming with more or
-    fewer GPUs, or none, works (the dropout masks are then new ones)."""
-    if rank >= len(processes):
-        return
-    state = processes[rank]
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-    kind, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    random.setstate(state["python"])
-
-
 def unwrap(model) -> GPT:
     """The plain GPT inside DDP and torch.compile wrappers."""
     model = getattr(model, "module", model)
     return getattr(model, "_orig_mod", model)
 
 
-def check_weights(weights: dict, config: GPTConfig) -> None:
-    """Every tensor a GPT of `config` has is in `weights`, with its shape, and no other; every
-    number of them finite."""
-    with torch.device("meta"):  # shapes only: no memory, no initialisation
-        expected = GPT(config).state_dict()
+def check_weights(weights: dict, expected: dict) -> None:
+    """`weights` holds every tensor of the state dict `expected` (a model's, or the meta tensors of
+    one: shapes only), with its shape, and no other; every number of them finite."""
     for name in sorted(expected.keys() | weights.keys()):
         got, want = weights.get(name), expected.get(name)
         if got is None or want is None or got.shape != want.shape:
@@ -211,10 +175,16 @@ def check_weights(weights: dict, config: GPTConfig) -> None:
             raise ValueError(f"its weights hold NaN or inf ({name}): a diverged run's, or a damaged file")
 
 
+def expected_weights(config: GPTConfig) -> dict:
+    """The state dict a GPT of `config` has, as meta tensors: shapes only, no memory, no init."""
+    with torch.device("meta"):
+        return GPT(config).state_dict()
+
+
 def load_weights(model, weights: dict) -> None:
-    """Load a state dict into a GPT (wrapped or not), checked against the model's config first."""
+    """Load a state dict into a GPT (wrapped or not), checked against that model's own first."""
     model = unwrap(model)
-    check_weights(weights, model.config)
+    check_weights(weights, model.state_dict())
     model.load_state_dict(weights)
 
 

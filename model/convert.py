@@ -2,7 +2,7 @@
 
 Convert an MHA checkpoint to GQA or MQA by mean-pooling key/value heads:
 
-    python -m model.convert outputs/<run> --n-kv-head 2 --out gqa.pt
+    python -m cli.convert outputs/<run> --n-kv-head 2 --out gqa.pt
     python train.py init_from=gqa.pt ...      # then uptrain briefly
 
 Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head
@@ -14,7 +14,6 @@ very same weights (the decode benchmark and the parity tests compare against it)
 window, `mistral_weights` (a Mistral); with multi-head latent attention, `deepseek_v3_weights`.
 """
 
-import argparse
 import dataclasses
 from pathlib import Path
 
@@ -22,7 +21,6 @@ import torch
 
 from model import checkpoint
 from model.checkpoint import Checkpoint
-from model.command_line import exit_on_user_error, naming
 from model.config import GPTConfig
 
 
@@ -134,35 +132,15 @@ def llama_layout(model, family: str, needs: dict) -> tuple[dict, dict]:
 
 def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
     """Read our checkpoint `src` (a run dir's best.pt, or a file), write the converted one to
-    `out`; returns the old and new model configs."""
+    `out` (atomically, as checkpoint.save); returns the old and new model configs."""
     out = Path(out).expanduser()
-    if out.exists():
-        example = out / "converted.pt" if out.is_dir() else out.with_name(f"{out.stem}_converted.pt")
-        raise FileExistsError(f"--out {out} already exists (nothing is overwritten): give a new file "
-                              f"name, e.g. --out {example}")
-    with naming("ckpt"):
-        ckpt = checkpoint.load(src, prefer="best.pt")
+    ckpt = checkpoint.load(src, prefer="best.pt")
     weights, new_config = mean_pool_kv(ckpt.model, ckpt.model_config, n_kv_head)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise type(e)(f"--out {out}: cannot create {out.parent}: {e.strerror or e}") from e
+        raise type(e)(f"cannot create {out.parent}: {e.strerror or e}") from e
     checkpoint.save(out, Checkpoint(
         model=weights, model_config=new_config, data_meta=ckpt.data_meta, config=ckpt.config,
         converted_from={"path": str(src), "n_kv_head": ckpt.model_config.n_kv_head}))
     return ckpt.model_config, new_config
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="Convert an MHA (or GQA) checkpoint to fewer KV heads.")
-    p.add_argument("ckpt", help="a run dir or checkpoint file")
-    p.add_argument("--n-kv-head", type=int, required=True, help="the target number of key/value heads")
-    p.add_argument("--out", required=True, help="where to write the converted checkpoint")
-    args = p.parse_args(argv)
-    old, new = exit_on_user_error(convert_checkpoint, args.ckpt, args.n_kv_head, args.out)
-    print(f"{args.out}: n_kv_head {old.n_kv_head} -> {new.n_kv_head} (KV cache "
-          f"{old.n_kv_head / new.n_kv_head:g}x smaller); uptrain with train.py init_from={args.out}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,9 +1,9 @@
 """Producing tokens from a GPT: loading a checkpoint to decode, sampling, batched prompts, the
 cached and uncached streams, the compiled one-token decode step, and timing.
 
-    model, ckpt = load_model("outputs/<run>")               # its best.pt, ready to decode
-    generate(model, idx, 100, temperature=0.8, top_k=200)   # prompt + 100 new tokens
-    for token in stream(model, idx, 100): ...               # (B,) new tokens, one step at a time
+    model, ckpt = load_model("outputs/<run>")                # its best.pt, ready to decode
+    generate(model, idx, 100, temperature=0.8, top_k=200)    # prompt + 100 new tokens
+    for token in stream(model, idx, Sampling(100)): ...      # (B,) new tokens, one step at a time
 
 With and without the cache the same tokens come out while prompt + new tokens fit in block_size
 (past it the uncached reference crops the context at every step, the cache refills from the last
@@ -11,59 +11,73 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model.checkpoint import load, load_weights
 from model.config import check_integer, is_real
-from model.device import DTYPES, decode_precision, pick_device, synchronized_clock
+from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device, synchronized_clock
+from model.gpt import GPT
 from model.kv_cache import storage_dtype
 from model.quantize import quantize_int8
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def load_model(path, device="auto", dtype: str = "auto", quantize: str | None = "auto"):
-    """(the GPT of the checkpoint at `path` (a run dir's best.pt, else ckpt.pt) ready to decode,
-    as `for_decoding` makes it; the Checkpoint)."""
-    from model.checkpoint import load, load_weights  # (checkpoint imports gpt, which imports this)
-    from model.gpt import GPT
-
+def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
+    """A checkpoint's GPT ready to decode, and the checkpoint: `path` is a checkpoint file or a
+    run dir (its best.pt, else ckpt.pt); the model is on `device`, in eval mode, in the precision
+    `for_decoding` gives it."""
     ckpt = load(path, prefer="best.pt")
     model = GPT(ckpt.model_config)
     load_weights(model, ckpt.model)
-    return for_decoding(model, device, dtype, quantize), ckpt
+    return for_decoding(model, device, precision), ckpt
 
 
-def for_decoding(model, device="auto", dtype: str = "auto", quantize: str | None = "auto"):
-    """The model in eval mode on `device`, in the precision `decode_precision` picks (int8
-    weights when it says so)."""
+def for_decoding(model, device="auto", precision: Precision = AUTO_PRECISION):
+    """The model in eval mode on `device`, in the precision `precision` means there (int8 weights
+    when it says so)."""
     device = pick_device(device) if isinstance(device, str) else device
-    dtype, quantize = decode_precision(device, dtype, quantize, model.num_params())
+    dtype, quantize = precision.on(device, model.num_params())
     if quantize == "int8":
         quantize_int8(model)
     return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
-def check_sampling(*, max_new_tokens=0, temperature=1.0, top_k=None, top_p=None) -> None:
-    """The sampling options' types and ranges; each message names the option."""
-    check_integer(max_new_tokens, "max_new_tokens", 0)
-    if not is_real(temperature) or not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a number >= 0 and finite, got {temperature!r}")
-    if top_k is not None:
-        check_integer(top_k, "top_k", 1)
-    if top_p is not None and (not is_real(top_p) or not 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+@dataclass(frozen=True)
+class Sampling:
+    """What a stream draws: max_new_tokens tokens per row, each greedy at temperature 0, else by
+    softmax sampling restricted to the top_k tokens and to the smallest set whose probability
+    reaches top_p. Checked when made (each message names the option), so never again per call."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        check_integer(self.max_new_tokens, "max_new_tokens", 0)
+        if not is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a number >= 0 and finite, got {self.temperature!r}")
+        if self.top_k is not None:
+            check_integer(self.top_k, "top_k", 1)
+        if self.top_p is not None and (not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
-def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decode_step, kv_dtype, pad=None):
-    """The arguments of `stream` that depend on the model, checked once per call: the prompt's ids
+def check_generation(model, idx, sampling, *, generator, vocab_size, decode_step, kv_dtype, pad=None):
+    """The arguments of `stream`, checked once per call: `sampling` is a Sampling, the prompt's ids
     (B, T) are the model's, its positions allow max_new_tokens more, the generators are one per row
     on the model's device, vocab_size is at most the model's, and the decode step is this model's,
     with room for B rows, in the cache dtype asked for. Returns kv_dtype as a torch dtype (or None)."""
     c, device = model.config, model.wte.weight.device
     vocab = c.vocab_size
+    if not isinstance(sampling, Sampling):
+        raise TypeError(f"sampling must be a Sampling, e.g. Sampling(100, temperature=0.8); got {sampling!r}")
+    max_new_tokens = sampling.max_new_tokens
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.size(1) == 0 or idx.is_floating_point():
         raise ValueError("idx must be a (B, T) tensor of token ids with T >= 1, got " + (
             f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__))
@@ -98,11 +112,11 @@ def check_generation(model, idx, max_new_tokens, *, generator, vocab_size, decod
     return kv_dtype
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row from logits (B, vocab): greedy at temperature 0, else softmax sampling
-    restricted to the top_k tokens and to the smallest set whose probability reaches top_p.
-    `generator` is one torch.Generator for the batch, or a list of one per row: then each row
-    draws exactly what it would draw alone with its generator. The options are `stream`'s to check."""
+def sample_next(logits, sampling: Sampling, generator=None):
+    """One token per row from logits (B, vocab), drawn as `sampling` says. `generator` is one
+    torch.Generator for the batch, or a list of one per row: then each row draws exactly what it
+    would draw alone with its generator."""
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
     if temperature == 0:
         return logits.argmax(dim=-1)
     # Shifted so that the largest is 0 and scaled by 1 / temperature, at most float32's largest
@@ -145,14 +159,14 @@ def left_pad(prompts, device):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
              kv_cache=True, generator=None, vocab_size=None, decode_step=None, kv_dtype=None):
-    """Sample max_new_tokens after the prompt(s). `idx` is a (B, T) tensor, or a list of 1-D
-    prompts of different lengths. Returns prompt + new tokens: a (B, T + max_new_tokens)
-    tensor, or for a list, a list of 1-D tensors. temperature=0 is greedy. The other options
-    are `stream`'s."""
+    """Sample max_new_tokens after the prompt(s), as nanoGPT's `generate`. `idx` is a (B, T)
+    tensor, or a list of 1-D prompts of different lengths. Returns prompt + new tokens: a
+    (B, T + max_new_tokens) tensor, or for a list, a list of 1-D tensors. temperature=0 is
+    greedy. The sampling options make a `Sampling`; the others are `stream`'s."""
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p)
     prompts, pad = left_pad(idx, model.wte.weight.device)
-    new = list(stream(model, prompts, max_new_tokens, temperature=temperature, top_k=top_k,
-                      top_p=top_p, kv_cache=kv_cache, generator=generator, pad=pad, vocab_size=vocab_size,
-                      decode_step=decode_step, kv_dtype=kv_dtype))
+    new = list(stream(model, prompts, sampling, kv_cache=kv_cache, generator=generator, pad=pad,
+                      vocab_size=vocab_size, decode_step=decode_step, kv_dtype=kv_dtype))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
     if isinstance(idx, torch.Tensor):
         return out
@@ -161,9 +175,9 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 
 @torch.no_grad()
-def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-           kv_cache=True, generator=None, pad=None, decode_step=None, vocab_size=None, kv_dtype=None):
-    """Yield the next token of every row, (B,), max_new_tokens times.
+def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad=None, decode_step=None,
+           vocab_size=None, kv_dtype=None):
+    """Yield the next token of every row, (B,), as `sampling` draws them: max_new_tokens times.
 
     Without the cache, each step runs the context from scratch (`prefill`): the reference. With
     it, the prompt is prefilled once and each step feeds one token to a static KVCache, stored in
@@ -172,13 +186,13 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     sliding-window model with RoPE needs neither: its reference is the whole context (of which the
     last `receptive_field` tokens matter), its cache a ring. `decode_step` (a `CompiledDecodeStep`)
     replaces the eager one-token step, and its static cache the one allocated per call. `vocab_size`
-    limits sampling to the ids below it (a tokenizer's). Arguments are checked here, once.
+    limits sampling to the ids below it (a tokenizer's). The arguments that depend on the model are
+    checked here, once (the Sampling was when it was made).
     """
-    check_sampling(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     decode_step = decode_step if kv_cache else None  # no cache, no decode step
-    kv_dtype = check_generation(model, idx, max_new_tokens, generator=generator, vocab_size=vocab_size,
+    kv_dtype = check_generation(model, idx, sampling, generator=generator, vocab_size=vocab_size,
                                 decode_step=decode_step, kv_dtype=kv_dtype, pad=pad)
-    c = model.config
+    c, max_new_tokens = model.config, sampling.max_new_tokens
     B, T = idx.shape
     # tokens[:, :length]: the prompt and the tokens so far, written in place; when it is full, only
     # the last `history` stay (all any step reads again), moved to the front, and pad moves with them.
@@ -201,7 +215,7 @@ def stream(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=Non
     with torch.inference_mode():
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad)
     for i in range(max_new_tokens):
-        token = sample_next(logits[:, :vocab_size], temperature, top_k, top_p, generator)  # (B,)
+        token = sample_next(logits[:, :vocab_size], sampling, generator)  # (B,)
         yield token
         if i == max_new_tokens - 1:
             break
@@ -351,8 +365,8 @@ def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,
     of idx (B, T), left-padded by `pad` (B,) or not."""
     clock = synchronized_clock(idx.device)
     t0 = clock()
-    tokens = stream(model, idx, max_new_tokens, temperature=0, kv_cache=kv_cache, decode_step=decode_step,
-                    kv_dtype=kv_dtype, pad=pad)
+    tokens = stream(model, idx, Sampling(max_new_tokens, temperature=0), kv_cache=kv_cache,
+                    decode_step=decode_step, kv_dtype=kv_dtype, pad=pad)
     next(tokens)
     t1 = clock()
     for _ in tokens:

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles
 from model.config import GPTConfig, check_integer
-from model.generation import generate
 from model.kv_cache import KVCache, storage_dtype
 
 
@@ -238,6 +237,3 @@ class GPT(nn.Module):
         is_pad_key = key_pos < pad[:, None, None]                         # (B, 1, S)
         is_pad_query = query_pos[:, None] < pad[:, None, None]           # (B, T, 1)
         return (mask & (~is_pad_key | is_pad_query)).unsqueeze(1)        # (B, 1, T, S)
-
-    # model.generate(idx, max_new_tokens, ...) is model.generation.generate(model, idx, ...)
-    generate = generate

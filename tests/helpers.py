@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from model import GPT, GPTConfig
-from model.run_dir import read_metrics  # noqa: F401  (tests import it from here)
+from training.run_dir import read_metrics  # noqa: F401  (tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"mha": 4, "gqa": 2, "mqa": 1}  # n_kv_head of each attention variant, for n_head = 4
@@ -78,7 +78,8 @@ def compose(*overrides: str, config_name: str = "train"):
 
 def train_checked(cfg, run_dir, overrides: list[str] | None = None) -> dict:
     """A training run in this process, as Python starts one: train(check_options(cfg), run_dir)."""
-    from train import check_options, train
+    from cli.options import check_options
+    from training.loop import train
 
     return train(check_options(cfg, overrides), run_dir)
 
@@ -218,13 +219,8 @@ def restore_logging(state: dict) -> None:
 
 
 def held_run_dirs() -> dict:
-    """The run dirs this process holds (their lock files' descriptors), wherever the project keeps
-    them."""
-    for name in ("model.run_dir", "model.checkpoint"):
-        held = getattr(sys.modules.get(name), "held_run_dirs", None)
-        if held is not None:
-            return held
-    return {}
+    """The run dirs this process holds (their lock files' descriptors)."""
+    return getattr(sys.modules.get("training.run_dir"), "held_run_dirs", {})
 
 
 def release_run_dirs(before: dict) -> None:

@@ -16,20 +16,21 @@ import numpy as np
 import pytest
 import torch
 
+from cli.errors import naming
 from model import GPT, checkpoint
-from model.checkpoint import Checkpoint
-from model.command_line import naming
+from model.checkpoint import Checkpoint, latest_run
+from model.device import Precision
 from model.generation import load_model
 from model.quantize import Int8Linear
-from model.run_dir import (
+from tests.helpers import ROOT, assert_one_line_error, run_in_process, tiny_config, tiny_model
+from training.rng import restore_rng, rng_state, rng_states_of_ranks, seed_rngs
+from training.run_dir import (
     RUN_MARKERS,
     claim_run_dir,
-    latest_run,
     read_metrics,
     release_run_dir,
     remove_stale_temp_files,
 )
-from tests.helpers import ROOT, assert_one_line_error, run_in_process, tiny_config, tiny_model
 
 
 def write(path, model: GPT, **fields) -> None:
@@ -137,7 +138,7 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_temp_file(tmp_
 def test_a_run_dir_is_claimed_once_and_never_over_a_run(tmp_path):
     run_dir = claim_run_dir(tmp_path / "run")
     assert claim_run_dir(tmp_path / "run") == run_dir  # idempotent in one process
-    in_use = subprocess.run([sys.executable, "-c", "import sys; from model.run_dir import claim_run_dir; "
+    in_use = subprocess.run([sys.executable, "-c", "import sys; from training.run_dir import claim_run_dir; "
                              "claim_run_dir(sys.argv[1])", str(run_dir)],
                             cwd=ROOT, capture_output=True, text=True)
     assert in_use.returncode != 0 and "is in use: another process is training there" in in_use.stderr
@@ -160,7 +161,7 @@ def test_temp_files_of_a_killed_save_go_at_the_next_start_unless_a_writer_lives(
     for temp in litter:
         temp.write_bytes(b"half a checkpoint")
     (run_dir / "keep.txt").touch()
-    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from model.run_dir import "
+    writer = subprocess.Popen([sys.executable, "-c", "import sys, time; from training.run_dir import "
                                "claim_run_dir; claim_run_dir(sys.argv[1]); print('ok', flush=True); "
                                "time.sleep(60)", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -219,14 +220,14 @@ def test_load_model_in_each_dtype_and_int8(tmp_path):
     idx = torch.randint(0, 37, (2, 9))
     fp32, ckpt = load_model(tmp_path, "cpu")  # auto: a model this small decodes fastest in float32
     assert not fp32.training and torch.equal(fp32(idx), model(idx)) and ckpt.data_meta["tokenizer"] == "char"
-    bf16, _ = load_model(tmp_path, "cpu", dtype="bfloat16")
+    bf16, _ = load_model(tmp_path, "cpu", Precision("bfloat16"))
     assert bf16.wte.weight.dtype == torch.bfloat16
-    int8, _ = load_model(tmp_path, "cpu", quantize="int8")
+    int8, _ = load_model(tmp_path, "cpu", Precision(quantize="int8"))
     assert isinstance(int8.lm_head, Int8Linear) and int8.wte.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16"):
-        load_model(tmp_path, "cpu", dtype="float16")
+        Precision("float16")
     with pytest.raises(ValueError, match="quantize must be null, auto or int8"):
-        load_model(tmp_path, "cpu", quantize="int4")
+        Precision(quantize="int4")
 
 
 def test_init_from_one_of_our_checkpoints(tmp_path):
@@ -238,11 +239,11 @@ def test_init_from_one_of_our_checkpoints(tmp_path):
 
 def test_rng_state_round_trips():
     cpu = torch.device("cpu")
-    checkpoint.seed_rngs(3)
-    processes = checkpoint.rng_states_of_ranks(cpu)  # one process: its own
+    seed_rngs(3)
+    processes = rng_states_of_ranks(cpu)  # one process: its own
     assert len(processes) == 1 and processes[0]["cuda"] is None
     first = (torch.rand(3).tolist(), np.random.rand(), random.random())
-    checkpoint.restore_rng(processes, 0, cpu)
+    restore_rng(processes, 0, cpu)
     assert (torch.rand(3).tolist(), np.random.rand(), random.random()) == first
 
 
@@ -252,17 +253,17 @@ def test_each_rank_restores_its_own_rng_state_whatever_the_device_count():
     its own seed. (CUDA's state goes only to this process's device: torch.cuda.set_rng_state.)"""
     cpu, processes = torch.device("cpu"), []
     for rank in range(3):
-        checkpoint.seed_rngs(100 + rank)
-        state = checkpoint.rng_state(cpu)
+        seed_rngs(100 + rank)
+        state = rng_state(cpu)
         state["cuda"] = torch.zeros(16, dtype=torch.uint8)  # what torch.cuda.get_rng_state gives
         processes.append(state)
     draws = []
     for seed in (100, 101, 102, 7):
-        checkpoint.seed_rngs(seed)
+        seed_rngs(seed)
         draws.append(torch.rand(4))
     for rank in range(4):
-        checkpoint.seed_rngs(7)  # the fresh seed of a resumed process
-        checkpoint.restore_rng(processes, rank, cpu)
+        seed_rngs(7)  # the fresh seed of a resumed process
+        restore_rng(processes, rank, cpu)
         assert torch.equal(torch.rand(4), draws[rank]), rank
 
 

@@ -11,13 +11,13 @@ import yaml
 from omegaconf import OmegaConf
 
 from benchmarks.attention_study import StudyConfig
+from cli.configs import config_object
+from cli.options import model_config, with_default_experiment
 from data.prepare import DataConfig
 from generate import GenerateConfig
 from model import GPTConfig
-from model.command_line import config_object, with_default_experiment
-from model.run_config import model_config
 from tests.helpers import ROOT, assert_one_line_error, compose, run_in_process
-from train import TrainConfig
+from training.options import TrainConfig
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 SCHEMAS = [  # (a YAML file, the node in it, the dataclass it mirrors)
@@ -149,7 +149,7 @@ def test_hydra_rejects_the_wrong_type_before_anything_runs_in_one_line(args):
                                       "shakespeare_bpe, shakespeare_char, shakespeare_char_cpu,"),
     (["train.py", "attention=mha,gqa"], "Ambiguous value for argument 'attention=mha,gqa'"),
     (["train.py", "data.path=[a,b"], "no viable alternative at input '[a,b'"),
-    (["-m", "data.prepare", "data=nope"], "Could not find 'data/nope'"),
+    (["-m", "cli.prepare", "data=nope"], "Could not find 'data/nope'"),
     (["benchmarks/attention_study.py", "study.uptrain_iters=x"], "Error merging override study.uptrain"),
 ])
 def test_what_hydra_rejects_is_one_line_too(args, message):

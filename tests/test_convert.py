@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from model import GPT, checkpoint
+from model import GPT, checkpoint, generate
 from model.convert import mean_pool_kv
 from tests.helpers import (
     assert_one_line_error,
@@ -42,7 +42,7 @@ def test_converted_model_loads_generates_and_shrinks_its_cache(n_kv_head, kv_sha
     old_k = model.blocks[0].attn.qkv.weight[C:2 * C].view(4, hd, C)
     new_k = converted.blocks[0].attn.qkv.weight[C:C + n_kv_head * hd].view(n_kv_head, hd, C)
     torch.testing.assert_close(new_k, old_k.view(n_kv_head, 4 // n_kv_head, hd, C).mean(1))
-    assert converted.generate(torch.randint(0, 37, (1, 5)), 10, temperature=0).shape == (1, 15)
+    assert generate(converted, torch.randint(0, 37, (1, 5)), 10, temperature=0).shape == (1, 15)
     assert model.new_kv_cache(1).nbytes == (4 // n_kv_head) * converted.new_kv_cache(1).nbytes
 
 
@@ -63,7 +63,7 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
                   "train.lr=1e-2", "train.min_lr=1e-3"), parent)
     parent_val = checkpoint.load(parent / "best.pt").best_val
     converted = tmp_path / "mqa.pt"
-    result = run_in_process("-m", "model.convert", str(parent), "--n-kv-head", "1", "--out", str(converted))
+    result = run_in_process("-m", "cli.convert", str(parent), "--n-kv-head", "1", "--out", str(converted))
     assert result.returncode == 0, result.stderr
     assert "4x smaller" in result.stdout
     uptrained = tmp_path / "uptrained"
@@ -78,7 +78,7 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
 
 
 def test_convert_command_errors_are_one_line(tiny_ckpt, tmp_path):
-    convert = lambda n_kv_head, out: run_in_process("-m", "model.convert", str(tiny_ckpt), "--n-kv-head",
+    convert = lambda n_kv_head, out: run_in_process("-m", "cli.convert", str(tiny_ckpt), "--n-kv-head",
                                                     n_kv_head, "--out", str(out))
     assert_one_line_error(convert("3", tmp_path / "a.pt"), "n_kv_head")
     (tmp_path / "folder.pt").mkdir()

@@ -125,8 +125,8 @@ def test_wrong_hash_is_an_error_and_writes_nothing(tmp_path):
 
 
 def run_prepare(*overrides):
-    """`python -m data.prepare <overrides>`, run in this process."""
-    return run_in_process("-m", "data.prepare", *overrides)
+    """`python -m cli.prepare <overrides>`, run in this process."""
+    return run_in_process("-m", "cli.prepare", *overrides)
 
 
 def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path, monkeypatch):
@@ -137,8 +137,8 @@ def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path, mo
     env = {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
     monkeypatch.delenv("KVGPT_CACHE")
-    bpe = start_cli("-m", "data.prepare", "data=shakespeare_bpe", env=env)
-    char = run_in_process("-m", "data.prepare", "data=shakespeare_char", env=env)  # meanwhile
+    bpe = start_cli("-m", "cli.prepare", "data=shakespeare_bpe", env=env)
+    char = run_in_process("-m", "cli.prepare", "data=shakespeare_char", env=env)  # meanwhile
     bpe = finish(bpe)
     for result, tokens in [(char, "1,003,854 train"), (bpe, "301,966 train")]:
         assert result.returncode == 0 and tokens in result.stdout, result.stderr[-2000:]

@@ -6,8 +6,10 @@ import re
 import pytest
 import torch
 
-from model.command_line import naming
-from model.device import Throughput, autocast, check_processes, decode_precision, peak_tflops, pick_device
+from cli.errors import naming
+from model.device import Precision, pick_device
+from training.distributed import check_processes
+from training.throughput import Throughput, autocast, peak_tflops
 
 
 def test_pick_device_names_the_option():
@@ -41,9 +43,9 @@ def test_precisions():
     ("mps", "auto", "auto", 10_000_000, ("float32", None)),      # MPS: float32, no int8 weights
     ("mps", "bfloat16", "auto", 10_000_000, ("bfloat16", None)),
 ])
-def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
+def test_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
         device, dtype, quantize, n_params, expected):
-    assert decode_precision(torch.device(device), dtype, quantize, n_params) == expected
+    assert Precision(dtype, quantize).on(torch.device(device), n_params) == expected
 
 
 @pytest.mark.parametrize("device,dtype,quantize,message", [
@@ -52,9 +54,9 @@ def test_decode_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
     ("cuda", "auto", "int8", "quantize=int8 is for CPUs, not cuda"),  # PyTorch's reference kernel on CUDA
     ("mps", "auto", "int8", "quantize=int8 is for CPUs, not mps"),
 ])
-def test_decode_precision_names_the_option(device, dtype, quantize, message):
+def test_precision_names_the_option(device, dtype, quantize, message):
     with pytest.raises(ValueError, match=message):
-        decode_precision(torch.device(device), dtype, quantize)
+        Precision(dtype, quantize).on(torch.device(device))
 
 
 def test_throughput_windows_skip_the_first_step_and_evaluations():

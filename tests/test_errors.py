@@ -2,7 +2,7 @@
 
 import pytest
 
-from model.command_line import exit_on_user_error, user_error
+from cli.errors import exit_on_user_error, user_error
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
 
 # Each entry point run as a real process, with a bad value the other tests do not cover, and the
@@ -12,9 +12,9 @@ ENTRY_POINTS = {
     "train.py": (["train.py", "experiment=shakespeare_char_cpu", "train.eval_iters=0"],
                  "train.eval_iters must be >= 1"),
     "generate.py": (["generate.py", "ckpt=/nonexistent/run"], "ckpt: checkpoint not found: /nonexistent/run"),
-    "data.prepare": (["-m", "data.prepare", "data.val_fraction=1.5"], "data.val_fraction must be in [0, 1)"),
-    "model.convert": (["-m", "model.convert", "/nonexistent/run", "--n-kv-head", "2", "--out", "a.pt"],
-                      "ckpt: checkpoint not found: /nonexistent/run"),
+    "cli.prepare": (["-m", "cli.prepare", "data.val_fraction=1.5"], "data.val_fraction must be in [0, 1)"),
+    "cli.convert": (["-m", "cli.convert", "/nonexistent/run", "--n-kv-head", "2", "--out", "a.pt"],
+                      "checkpoint not found: /nonexistent/run"),
     "attention_study": (["benchmarks/attention_study.py", "study.variants=[mha,mla2]"],
                         "mla2 is not an option of the attention group"),
 }
@@ -50,7 +50,7 @@ BAD_INPUTS = [
     (["train.py", "data=text_files", "data.path={file}"], "is not UTF-8 text: byte 0xff at offset 4"),
     (["train.py", "data.cache_dir={file}/cache"], "data.cache_dir: cannot write to"),
     (["train.py", "+model.n_layr=2"], "model.n_layr is not a field of GPTConfig"),
-    (["train.py", "wandb.mode=online"], "wandb.mode=online: No API key configured"),
+    (["train.py", "wandb.mode=online"], "wandb.mode=online (or log locally with wandb.mode=offline): No API key"),
     (["train.py", "hydra.run.dir={file}/run"], "hydra.run.dir: cannot write to"),
     (["train.py", "train.resume={tmp}/missing"], "train.resume: checkpoint not found"),
     (["train.py", "init_from={file}"], "init_from: cannot read checkpoint"),
@@ -58,8 +58,8 @@ BAD_INPUTS = [
     (["generate.py", "ckpt={tmp}"], "ckpt: no checkpoint (ckpt.pt or best.pt) in"),
     (["generate.py"], "ckpt is not set and outputs/ holds no run"),
     (["generate.py", "prompt_file={file}"], "prompt_file: {file} is not UTF-8 text: byte 0xff at offset 4"),
-    (["-m", "data.prepare", "data.path={file}"], "is not UTF-8 text"),
-    (["-m", "model.convert", "{tmp}", "--n-kv-head", "2", "--out", "{tmp}"], "already exists (nothing is"),
+    (["-m", "cli.prepare", "data.path={file}"], "is not UTF-8 text"),
+    (["-m", "cli.convert", "{tmp}", "--n-kv-head", "2", "--out", "{tmp}"], "already exists (nothing is"),
 ]
 
 

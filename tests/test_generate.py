@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
+from cli.configs import quote_literal_options
 from data.tokenizer import BPETokenizer, CharTokenizer
 from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
 from model import checkpoint
-from model.command_line import quote_literal_options
 from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_in_process, tiny_model
 
 

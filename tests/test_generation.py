@@ -13,10 +13,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.gpu import SDPACalls
 from model import GPT
-from model.evaluation import split_loss
 from model.generation import (
     CompiledDecodeStep,
-    check_sampling,
+    Sampling,
     decode_backends,
     generate,
     load_model,
@@ -24,6 +23,7 @@ from model.generation import (
     stream,
 )
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
+from training.evaluation import split_loss
 
 
 @pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
@@ -32,8 +32,8 @@ def test_greedy_cache_equals_no_cache(attention, pos_emb):
     """For MLA this is the absorbed form (cache) against the plain form (no cache)."""
     model = tiny_model(pos_emb=pos_emb, **attention)
     idx = torch.randint(0, 37, (3, 6))
-    cached = model.generate(idx, 18, temperature=0, kv_cache=True)   # 24 = block_size
-    uncached = model.generate(idx, 18, temperature=0, kv_cache=False)
+    cached = generate(model, idx, 18, temperature=0, kv_cache=True)   # 24 = block_size
+    uncached = generate(model, idx, 18, temperature=0, kv_cache=False)
     assert cached.shape == (3, 24) and torch.equal(cached, uncached)
     assert torch.equal(cached[:, :6], idx)
 
@@ -46,7 +46,7 @@ def test_a_window_model_generates_past_block_size_cached_as_uncached(attention, 
     batched; the reference recomputes the whole sequence under the window mask at every step."""
     model = tiny_model(pos_emb="rope", attn_window=6, **attention)
     prompts = [torch.randint(0, 37, (n,)) for n in (3, 9)]
-    runs = [model.generate(prompts, 3 * 24, kv_cache=kv, **sampling,
+    runs = [generate(model, prompts, 3 * 24, kv_cache=kv, **sampling,
                            generator=[torch.Generator().manual_seed(row) for row in range(2)])
             for kv in (True, False)]
     assert [len(t) for t in runs[0]] == [3 + 72, 9 + 72]
@@ -55,20 +55,20 @@ def test_a_window_model_generates_past_block_size_cached_as_uncached(attention, 
 
 def test_learned_positions_end_generation_with_a_window_at_block_size():
     model = tiny_model(attn_window=6)
-    assert model.generate(torch.zeros(1, 4, dtype=torch.long), 20, temperature=0).shape == (1, 24)
+    assert generate(model, torch.zeros(1, 4, dtype=torch.long), 20, temperature=0).shape == (1, 24)
     with pytest.raises(ValueError, match=r"exceed block_size=24: a sliding-window model \(attn_window\) "
                                          r"with learned positions generates at most max_new_tokens=20"):
-        model.generate(torch.zeros(1, 4, dtype=torch.long), 21, temperature=0)
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 21, temperature=0)
 
 
 @pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
 def test_seeded_sampling_cache_equals_no_cache(n_kv_head):
     model = tiny_model(n_kv_head=n_kv_head)
     idx = torch.randint(0, 37, (2, 4))
-    runs = [model.generate(idx, 20, temperature=1.0, top_k=20, top_p=0.9, kv_cache=kv,
+    runs = [generate(model, idx, 20, temperature=1.0, top_k=20, top_p=0.9, kv_cache=kv,
                            generator=torch.Generator().manual_seed(5)) for kv in (True, False)]
     assert torch.equal(*runs)
-    other = model.generate(idx, 20, generator=torch.Generator().manual_seed(6))
+    other = generate(model, idx, 20, generator=torch.Generator().manual_seed(6))
     assert not torch.equal(runs[0], other)
 
 
@@ -76,10 +76,10 @@ def test_seeded_sampling_cache_equals_no_cache(n_kv_head):
 @pytest.mark.parametrize("kv_cache", [True, False])
 def test_generation_goes_past_block_size(pos_emb, kv_cache):
     model = tiny_model(pos_emb=pos_emb, block_size=8)
-    out = model.generate(torch.randint(0, 37, (2, 5)), 30, temperature=0, kv_cache=kv_cache)
+    out = generate(model, torch.randint(0, 37, (2, 5)), 30, temperature=0, kv_cache=kv_cache)
     assert out.shape == (2, 35)
     # within block_size both paths agree; after it each keeps its documented scheme
-    ref = model.generate(out[:, :5], 3, temperature=0, kv_cache=not kv_cache)
+    ref = generate(model, out[:, :5], 3, temperature=0, kv_cache=not kv_cache)
     assert torch.equal(out[:, :8], ref)
 
 
@@ -87,7 +87,7 @@ def test_cached_path_past_block_size_refills_from_recent_tokens():
     """When the cache is full, the next logits come from the last block_size // 2 tokens."""
     model = tiny_model(block_size=8)
     idx = torch.randint(0, 37, (1, 8))
-    out = model.generate(idx, 2, temperature=0, kv_cache=True)
+    out = generate(model, idx, 2, temperature=0, kv_cache=True)
     expected = model(out[:, 5:9])[:, -1].argmax(-1)  # 4 = 8 // 2 most recent tokens
     assert out[0, 9] == expected[0]
 
@@ -105,32 +105,32 @@ def test_each_row_of_a_batch_is_generated_as_it_would_be_alone(attention, pos_em
         new = rng.randint(1, 24)
         seeds = range(len(prompts))
         for kv_cache, temperature in itertools.product((True, False), (0, 1.0)):
-            batched = model.generate(prompts, new, temperature=temperature, kv_cache=kv_cache,
+            batched = generate(model, prompts, new, temperature=temperature, kv_cache=kv_cache,
                                      generator=[torch.Generator().manual_seed(s) for s in seeds])
             for prompt, row, seed in zip(prompts, batched, seeds):
                 generator = torch.Generator().manual_seed(seed)
-                alone = model.generate(torch.tensor([prompt]), new, temperature=temperature,
+                alone = generate(model, torch.tensor([prompt]), new, temperature=temperature,
                                        kv_cache=kv_cache, generator=generator)[0]
                 assert torch.equal(row, alone), (prompts, new, kv_cache, temperature)
 
 
 def test_sampling_draws_only_ids_below_vocab_size():
     model = tiny_model()
-    out = model.generate(torch.zeros(3, 1, dtype=torch.long), 40, temperature=5.0, vocab_size=4,
+    out = generate(model, torch.zeros(3, 1, dtype=torch.long), 40, temperature=5.0, vocab_size=4,
                          generator=torch.Generator().manual_seed(0))
     assert out[:, 1:].max() < 4 and len(out[:, 1:].unique()) == 4
 
 
 def test_a_list_of_generators_needs_one_per_row():
     with pytest.raises(ValueError, match="one per row, 2; got 1"):
-        tiny_model().generate([[1], [2, 3]], 3, generator=[torch.Generator()])
+        generate(tiny_model(), [[1], [2, 3]], 3, generator=[torch.Generator()])
 
 
 def test_a_list_of_equal_length_prompts_gives_a_list():
     model = tiny_model()
-    out = model.generate([[1, 2], [3, 4]], 3, temperature=0)
+    out = generate(model, [[1, 2], [3, 4]], 3, temperature=0)
     assert [row.tolist()[:2] for row in out] == [[1, 2], [3, 4]] and [len(row) for row in out] == [5, 5]
-    assert torch.equal(torch.stack(out), model.generate(torch.tensor([[1, 2], [3, 4]]), 3, temperature=0))
+    assert torch.equal(torch.stack(out), generate(model, torch.tensor([[1, 2], [3, 4]]), 3, temperature=0))
 
 
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
@@ -151,7 +151,7 @@ def test_a_step_reading_the_written_slots_equals_one_reading_every_slot_masked(a
 def test_streamed_tokens_are_plain_tensors_a_model_can_train_on():
     """The model decodes in inference mode; the tokens it yields are sampled outside it."""
     model = tiny_model()
-    tokens = model.generate(torch.zeros(1, 1, dtype=torch.long), 8)
+    tokens = generate(model, torch.zeros(1, 1, dtype=torch.long), 8)
     assert not tokens.is_inference()
     model(tokens[:, :-1], tokens[:, 1:])[1].backward()  # an inference tensor could not be saved for it
     assert model.wte.weight.grad is not None
@@ -160,30 +160,30 @@ def test_streamed_tokens_are_plain_tensors_a_model_can_train_on():
 def test_top_k_one_is_greedy():
     logits = torch.randn(5, 37)
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(sample_next(logits, 1.0, top_k=1, generator=g), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, Sampling(1, 1.0, top_k=1), generator=g), logits.argmax(-1))
 
 
 def test_tiny_temperature_is_greedy():
     logits = torch.randn(5, 37)
     g = torch.Generator().manual_seed(0)
-    assert torch.equal(sample_next(logits, 1e-6, generator=g), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, Sampling(1, 1e-6), generator=g), logits.argmax(-1))
     model = tiny_model()
     idx = torch.randint(0, 37, (2, 4))
-    assert torch.equal(model.generate(idx, 10, temperature=1e-6, generator=g),
-                       model.generate(idx, 10, temperature=0))
+    assert torch.equal(generate(model, idx, 10, temperature=1e-6, generator=g),
+                       generate(model, idx, 10, temperature=0))
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
     g = torch.Generator().manual_seed(0)
-    draws = lambda p: {sample_next(logits, 1.0, top_p=p, generator=g).item() for _ in range(300)}
+    draws = lambda p: {sample_next(logits, Sampling(1, 1.0, top_p=p), generator=g).item() for _ in range(300)}
     assert draws(0.5) == {0}          # 0.5 alone reaches 0.5
     assert draws(0.8) == {0, 1}       # 0.5 + 0.3 reaches 0.8
     assert draws(0.81) == {0, 1, 2}
     assert draws(1.0) == {0, 1, 2, 3}
-    with pytest.raises(ValueError, match="top_p"):  # checked once, by stream, not per token
-        check_sampling(top_p=0)
+    with pytest.raises(ValueError, match="top_p"):  # checked once, when the Sampling is made
+        Sampling(1, top_p=0)
 
 
 @pytest.mark.parametrize("option,value,message", [
@@ -194,10 +194,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 ])
 def test_sampling_options_name_themselves(option, value, message):
     with pytest.raises(ValueError, match=message):
-        check_sampling(**{option: value})
+        Sampling(**{"max_new_tokens": 3, option: value})
     model = tiny_model()
     with pytest.raises(ValueError, match=message):
-        model.generate(torch.zeros(1, 2, dtype=torch.long), **{"max_new_tokens": 3, option: value})
+        generate(model, torch.zeros(1, 2, dtype=torch.long), **{"max_new_tokens": 3, option: value})
 
 
 def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
@@ -348,11 +348,11 @@ def test_a_temperature_however_small_samples_the_most_likely_token(temperature):
     """logits / temperature would overflow to inf, and inf - inf is NaN: no temperature > 0 may."""
     logits = torch.randn(4, 37) * 10
     generator = torch.Generator().manual_seed(0)
-    assert torch.equal(sample_next(logits, temperature, generator=generator), logits.argmax(-1))
+    assert torch.equal(sample_next(logits, Sampling(1, temperature), generator=generator), logits.argmax(-1))
     model = tiny_model()
     idx = torch.randint(0, 37, (2, 3))
-    assert torch.equal(model.generate(idx, 6, temperature=temperature, generator=generator),
-                       model.generate(idx, 6, temperature=0))
+    assert torch.equal(generate(model, idx, 6, temperature=temperature, generator=generator),
+                       generate(model, idx, 6, temperature=0))
 
 
 @pytest.mark.parametrize("attention", ["mha", "mla", "gqa_cla2_3_layers"])
@@ -367,19 +367,19 @@ def test_a_window_model_runs_only_what_its_layers_can_see(attention):
     widths = []
     hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].size(1)))
     prompts = [torch.randint(0, 37, (n,)) for n in (300, 7, 61)]
-    runs = [model.generate(prompts, 40, kv_cache=kv, temperature=1.0, top_k=20,
+    runs = [generate(model, prompts, 40, kv_cache=kv, temperature=1.0, top_k=20,
                            generator=[torch.Generator().manual_seed(row) for row in range(3)])
             for kv in (True, False)]
     hook.remove()
     assert max(widths) == reach
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     for row, prompt in enumerate(prompts):
-        alone = model.generate(prompt[None], 40, temperature=1.0, top_k=20,
+        alone = generate(model, prompt[None], 40, temperature=1.0, top_k=20,
                                generator=torch.Generator().manual_seed(row))[0]
         assert torch.equal(runs[0][row], alone)
     with torch.no_grad():
         whole = model(prompts[0][None])[:, -1]
-    cut = model.generate(prompts[0][None], 1, temperature=0)[0, -1]
+    cut = generate(model, prompts[0][None], 1, temperature=0)[0, -1]
     assert cut == whole.argmax(-1)[0]
 
 
@@ -387,9 +387,9 @@ def test_memory_does_not_grow_with_max_new_tokens():
     """Tokens are kept only as far back as any step reads: asking for 2**62 allocates nothing more,
     and the first tokens come at once."""
     model = tiny_model()
-    tokens = stream(model, torch.zeros(1, 2, dtype=torch.long), 2**62, temperature=0)
+    tokens = stream(model, torch.zeros(1, 2, dtype=torch.long), Sampling(2**62, temperature=0))
     first = [next(tokens) for _ in range(60)]  # 2.5x block_size: the buffer moved its last 24 forward
-    reference = model.generate(torch.zeros(1, 2, dtype=torch.long), 60, temperature=0)[0, 2:]
+    reference = generate(model, torch.zeros(1, 2, dtype=torch.long), 60, temperature=0)[0, 2:]
     assert torch.equal(torch.cat(first), reference)
 
 

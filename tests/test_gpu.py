@@ -12,11 +12,11 @@ import torch
 
 from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, variant_model
 from model import GPT, GPTConfig
-from model.device import PEAK_BF16_TFLOPS, Throughput, peak_tflops
 from model.generation import CompiledDecodeStep, generate
-from model.optimizer import BatchedMuon
 from tests.helpers import ROOT, clean_env, tiny_model
 from tests.test_generation import DECODE_VARIANTS
+from training.optimizer import BatchedMuon
+from training.throughput import PEAK_BF16_TFLOPS, Throughput, peak_tflops
 
 pytestmark = pytest.mark.gpu  # (conftest: run with --gpu only, on a machine with CUDA)
 CUDA = torch.device("cuda")

@@ -4,7 +4,7 @@ tokens; finetuning from a Hugging Face directory."""
 import pytest
 import torch
 
-from model import GPT, checkpoint
+from model import GPT, checkpoint, generate
 from tests.helpers import compose, hf_gpt2, run_in_process, tiny_model, train_checked
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +25,7 @@ def test_greedy_generation_matches_transformers(tmp_path, kv_cache):
     ours = GPT.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 97, (2, 7))
     expected = hf.generate(idx, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours.generate(idx, 30, temperature=0, kv_cache=kv_cache), expected)
+    assert torch.equal(generate(ours, idx, 30, temperature=0, kv_cache=kv_cache), expected)
 
 
 @pytest.mark.parametrize("field,value", [("activation_function", "relu"), ("n_inner", 64),
@@ -114,7 +114,7 @@ def test_every_variant_matches_transformers_llama_mistral_or_deepseek_v3(variant
         torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
     new = 72 if "attn_window" in variant else 15
     expected = hf.generate(idx[:1, :5], max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    assert torch.equal(ours.generate(idx[:1, :5], new, temperature=0, kv_cache=kv_cache), expected)
+    assert torch.equal(generate(ours, idx[:1, :5], new, temperature=0, kv_cache=kv_cache), expected)
 
 
 def test_llama_export_names_what_a_llama_cannot_hold():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from model import checkpoint
-from model.optimizer import BatchedMuon, MuonAndAdamW, configure_optimizer, newton_schulz
 from tests.helpers import compose, read_metrics, step_losses, tiny_model, train_checked
+from training.optimizer import BatchedMuon, MuonAndAdamW, configure_optimizer, newton_schulz
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import GPT, GPTConfig, checkpoint
+from model import GPT, GPTConfig, checkpoint, generate
 from model.checkpoint import Checkpoint
-from model.generation import CompiledDecodeStep, load_model, stream
+from model.device import Precision
+from model.generation import CompiledDecodeStep, Sampling, load_model, stream
 from model.quantize import Int8Linear, quantize_int8
 from tests.helpers import tiny_model
 
@@ -111,7 +112,7 @@ def test_quantized_models_give_the_logits_of_their_dequantized_weights(config):
     bf16 = model.to(torch.bfloat16)
     assert bf16.new_kv_cache(1).dtype == torch.bfloat16  # the cache follows the activations
     for kv_cache in (True, False):
-        out = bf16.generate(idx, 8, temperature=0, kv_cache=kv_cache)
+        out = generate(bf16, idx, 8, temperature=0, kv_cache=kv_cache)
         assert out.shape == (2, 20) and ((0 <= out) & (out < config.vocab_size)).all()
 
 
@@ -144,17 +145,17 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
     torch.manual_seed(0)
     checkpoint.save(tmp_path / "best.pt", Checkpoint(model=GPT(config).state_dict(), model_config=config,
                                                      data_meta={"tokenizer": "char", "vocab": None}))
-    references = {None: load_model(tmp_path, "cpu", "float32", None)[0],
-                  "int8": dequantized_copy(load_model(tmp_path, "cpu", "float32", "int8")[0])}
+    references = {None: load_model(tmp_path, "cpu", Precision("float32", None))[0],
+                  "int8": dequantized_copy(load_model(tmp_path, "cpu", Precision("float32", "int8"))[0])}
     idx = torch.randint(0, 65, (2, 5))
     for dtype, quantize, compile, kv_cache in itertools.product(
             ["float32", "bfloat16"], [None, "int8"], [False, True], [True, False]):
         if compile and (not kv_cache or (dtype, quantize) not in COMPILED):
             continue
         mode = f"dtype={dtype} quantize={quantize} compile={compile} kv_cache={kv_cache}"
-        model, _ = load_model(tmp_path, "cpu", dtype, quantize)
+        model, _ = load_model(tmp_path, "cpu", Precision(dtype, quantize))
         decode_step = CompiledDecodeStep(model, len(idx)) if compile and kv_cache else None  # as generate.py
-        new = list(stream(model, idx, 10, temperature=0, kv_cache=kv_cache, decode_step=decode_step))
+        new = list(stream(model, idx, Sampling(10, temperature=0), kv_cache=kv_cache, decode_step=decode_step))
         tokens = torch.cat([idx, torch.stack(new, dim=1)], dim=1)           # (2, 15)
         assert ((0 <= tokens) & (tokens < 65)).all(), mode
         got = logits_along(model, tokens, 5, kv_cache, decode_step)

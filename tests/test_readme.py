@@ -56,7 +56,7 @@ def test_the_docs_list_the_commands_this_test_runs():
     readme = bash_commands(ROOT / "README.md")
     assert readme[0] == "python train.py" and "python generate.py" in readme
     everywhere = [c for path in DOCS for c in bash_commands(path)]
-    for shown in ("torchrun ", "python -m model.convert", "python -m data.prepare", "python generate.py"):
+    for shown in ("torchrun ", "python -m cli.convert", "python -m cli.prepare", "python generate.py"):
         assert any(c.startswith(shown) for c in everywhere), shown
     assert not any(c.startswith(SKIPPED) for c in everywhere)
     linked = set(re.findall(r"\(docs/(\w+\.md)\)", (ROOT / "README.md").read_text()))

@@ -15,9 +15,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from cli.options import changed_on_command_line, resumed_config
 from model import GPT, checkpoint
-from model.command_line import changed_on_command_line, resumed_config
-from model.run_dir import run_files
 from tests.helpers import (
     ROOT,
     assert_one_line_error,
@@ -31,7 +30,8 @@ from tests.helpers import (
     step_losses,
     train_checked,
 )
-from train import lr_at
+from training.loop import lr_at
+from training.run_dir import run_files
 
 
 def small_disk():

@@ -2,7 +2,7 @@
 
 claim_run_dir makes a folder one process's to train in (a flock-ed .lock file; a folder that
 holds a run is refused), MetricsLog writes metrics.jsonl, wandb and the terminal, and
-stop_requests turns Ctrl-C and SIGTERM into a clean stop. latest_run and read_metrics read runs.
+stop_requests turns Ctrl-C and SIGTERM into a clean stop. read_metrics reads a run's metrics back.
 """
 
 import json
@@ -15,18 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
 from tqdm import tqdm
 
-from model.command_line import naming, one_line
+from model.checkpoint import RUN_FILES
 
 try:
     import fcntl  # run-dir locks, where the OS has flock (Linux, macOS)
 except ImportError:
     fcntl = None
 
-RUN_FILES = ("ckpt.pt", "best.pt")  # the last state, and the best val loss
 METRICS_FILE = "metrics.jsonl"  # one JSON record per line
 RUN_MARKERS = (*RUN_FILES, METRICS_FILE)  # a folder holding any of these holds a run
 LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
@@ -128,15 +125,6 @@ def unlink_temp_files(run_dir: Path) -> list[Path]:
     return temps
 
 
-def latest_run(root="outputs") -> Path:
-    """The run dir under `root` whose checkpoint was written last."""
-    checkpoints = [p for name in RUN_FILES for p in Path(root).rglob(name) if p.is_file()]
-    if not checkpoints:
-        raise FileNotFoundError(f"ckpt is not set and {root}/ holds no run with a checkpoint: train one "
-                                f"with `python train.py`, or give ckpt=<run dir or checkpoint file>")
-    return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
-
-
 def read_metrics(run_dir) -> list[dict]:
     """The records of a run's metrics.jsonl, each checked: a JSON object with an integer step."""
     path, records = Path(run_dir) / METRICS_FILE, []
@@ -160,9 +148,9 @@ def start_wandb(mode: str, project: str, name: str | None, run_dir: Path, config
 
     try:
         return wandb.init(mode=mode, project=project, name=name, dir=str(run_dir), config=config)
-    except wandb.errors.Error as e:
-        fix = "; or log locally with wandb.mode=offline" if mode == "online" else ""
-        raise ValueError(f"wandb.mode={mode}: {one_line(e)}{fix}") from e
+    except wandb.errors.Error as e:  # (the fix first: a message of wandb's may run over lines)
+        fix = " (or log locally with wandb.mode=offline)" if mode == "online" else ""
+        raise ValueError(f"wandb.mode={mode}{fix}: {e}") from e
 
 
 class MetricsLog:
@@ -245,24 +233,3 @@ def stop_requests():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-class RunDirGuard(Callback):
-    """Claims the run dir before Hydra writes its .hydra/ there, so that a run into a folder that
-    holds another run, or that another process trains in, is refused before anything changes.
-    Rank 0 only: under torchrun the other ranks write nothing there."""
-
-    def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        if int(os.environ.get("RANK", 0)) == 0:
-            try:
-                with naming("hydra.run.dir", "run_dir"):
-                    claim_run_dir(config.hydra.run.dir)
-            except (OSError, ValueError) as e:  # exit here: Hydra only warns about a callback's error
-                sys.exit(f"error: {one_line(e)}")
-
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        """A sweep folder that already holds runs is refused before its first job."""
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if found := next((p for name in RUN_MARKERS for p in sweep_dir.rglob(name)), None):
-            sys.exit(f"error: hydra.sweep.dir={sweep_dir} already holds runs ({found}): write this sweep "
-                     f"to another hydra.sweep.dir")

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from model.config import check_integer
-from model.device import mean_over_ranks
 from model.kv_cache import storage_dtype
+from training.distributed import mean_over_ranks
 
 
 @torch.no_grad()

@@ -1,0 +1,44 @@
+"""Figures: matplotlib set up to draw to files, and a run's loss curves (its loss.png). matplotlib is
+imported only when a figure is drawn."""
+
+import logging
+from pathlib import Path
+
+from training.run_dir import read_metrics
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files (no screen needed)."""
+    import matplotlib
+
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)  # Hydra sets INFO for all loggers
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path, grid_axis: str = "both") -> None:
+    """Finish a one-axes figure (a light grid), write it as a PNG and free it."""
+    fig.axes[0].grid(alpha=0.3, axis=grid_axis)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
+def plot_losses(run_dir: Path, png_path: Path) -> None:
+    """Training loss per logged step, and train/val loss at each evaluation, from the run's
+    metrics.jsonl."""
+    plt = pyplot()
+    records = read_metrics(run_dir)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    steps = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    if steps:
+        ax.plot(*zip(*steps), alpha=0.4, label="train (batch)")
+    for key in ("train_loss", "val_loss"):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=key.replace("_", " "))
+    ax.set(xlabel="step", ylabel="cross-entropy loss")
+    ax.legend()
+    save_figure(fig, png_path)
