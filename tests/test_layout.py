@@ -1,16 +1,19 @@
-"""The size limits every change keeps: train.py and the README short, no long functions, and in
-model/ a code-first share of comments and docstrings."""
+"""The layout every change keeps: train.py and the README short, no long functions, in model/ a
+code-first share of comments and docstrings, and imports that run one way down, in no circle."""
 
 import ast
 import io
+import sys
 import tokenize
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
 
-SOURCES = sorted([ROOT / "train.py", ROOT / "generate.py", *(ROOT / "model").glob("*.py"),
-                  *(ROOT / "data").glob("*.py")])
+PACKAGES = ("model", "data", "training", "cli")
+SOURCES = sorted([ROOT / "train.py", ROOT / "generate.py",
+                  *(path for package in PACKAGES for path in (ROOT / package).glob("*.py"))])
 
 
 def commentary_share(path) -> float:
@@ -46,3 +49,74 @@ def test_no_function_is_over_60_lines(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "model").glob("*.py")), ids=lambda p: p.name)
 def test_model_code_is_at_most_30_percent_comments_and_docstrings(path):
     assert commentary_share(path) <= 0.30
+
+
+# ----------------------------------------------------------------------------- the import graph
+
+# The project's packages and scripts by layer: each imports only from its own package or from a
+# lower layer, never from its own layer's others (model and data are independent; scripts never
+# import each other), and the library (model, data, training) never imports the command line.
+LAYERS = {"model": 0, "data": 0, "training": 1, "cli": 2, "train": 3, "generate": 3, "benchmarks": 4}
+# What a package may import from outside the project (the standard library aside).
+MODEL_PACKAGES = {"torch", "safetensors"}
+
+
+def project_files() -> dict[str, Path]:
+    """{module name: file} of every module of the project: packages, scripts, benchmarks."""
+    files = [ROOT / "train.py", ROOT / "generate.py",
+             *(p for package in LAYERS if (ROOT / package).is_dir() for p in (ROOT / package).glob("*.py"))]
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p for p in files}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, at its top or inside a function (the names of `from m import
+    a, b` as m.a and m.b, so that `from model import checkpoint` reads as model.checkpoint)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def project_graph() -> dict[str, set[str]]:
+    """{module: the project modules it imports}."""
+    modules = project_files()
+    return {name: {m for m in imports_of(path) if m in modules and m != name}
+            for name, path in modules.items()}
+
+
+def test_each_layer_imports_only_downwards():
+    wrong = [f"{module} -> {target}" for module, targets in project_graph().items() for target in targets
+             if (a := module.split(".")[0]) != (b := target.split(".")[0]) and LAYERS[a] <= LAYERS[b]]
+    assert not wrong
+
+
+def test_model_imports_only_torch_safetensors_and_itself():
+    stdlib = sys.stdlib_module_names
+    outside = {f"{name}: {m}" for name, path in project_files().items() if name.split(".")[0] == "model"
+               for m in imports_of(path) if m.split(".")[0] not in {*stdlib, *MODEL_PACKAGES, "model"}}
+    assert not outside
+
+
+def test_the_imports_have_no_circle():
+    graph, state, circles = project_graph(), {}, []
+
+    def visit(module: str, path: list[str]) -> None:  # depth first: a module met again on its path: a circle
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [module, target]))
+            elif target not in state:
+                visit(target, [*path, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    assert not circles
+
+
+def test_model_holds_at_most_ten_files():
+    assert len(list((ROOT / "model").glob("*.py"))) <= 10
