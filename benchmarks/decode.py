@@ -49,11 +49,11 @@ import torch
 
 from cli.errors import exit_on_user_error
 from data.prepare import DataConfig, load_prepared, prepare
-from model import GPT, GPTConfig, generate
+from model import GPT, GPTConfig, Sampling, generate
 from model.checkpoint import latest_run
 from model.convert import llama_weights
 from model.device import Precision
-from model.generation import CompiledDecodeStep, Sampling, decode_tokens_per_s, for_decoding, load_model, stream
+from model.generation import CompiledDecodeStep, decode_tokens_per_s, for_decoding, load_model, stream
 from model.kv_cache import KV_DTYPES
 from training.evaluation import split_loss
 
@@ -232,7 +232,7 @@ def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> N
 
 
 LONG_PROMPT = """import resource, time, torch
-from model import GPT, GPTConfig, generate
+from model import GPT, GPTConfig, Sampling, generate
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128, pos_emb="rope",
                       attn_window={window})).eval()

@@ -14,7 +14,7 @@ from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, vari
 from model import GPT, GPTConfig
 from model.generation import CompiledDecodeStep, generate
 from tests.helpers import ROOT, clean_env, tiny_model
-from tests.test_generation import DECODE_VARIANTS
+from tests.model.test_generation import DECODE_VARIANTS
 from training.optimizer import BatchedMuon
 from training.throughput import PEAK_BF16_TFLOPS, Throughput, peak_tflops
 

@@ -50,7 +50,7 @@ BAD_INPUTS = [
     (["train.py", "data=text_files", "data.path={file}"], "is not UTF-8 text: byte 0xff at offset 4"),
     (["train.py", "data.cache_dir={file}/cache"], "data.cache_dir: cannot write to"),
     (["train.py", "+model.n_layr=2"], "model.n_layr is not a field of GPTConfig"),
-    (["train.py", "wandb.mode=online"], "wandb.mode=online (or log locally with wandb.mode=offline): No API key"),
+    (["train.py", "wandb.mode=online"], "wandb.mode=online (or log locally with wandb.mode=offline): No API"),
     (["train.py", "hydra.run.dir={file}/run"], "hydra.run.dir: cannot write to"),
     (["train.py", "train.resume={tmp}/missing"], "train.resume: checkpoint not found"),
     (["train.py", "init_from={file}"], "init_from: cannot read checkpoint"),

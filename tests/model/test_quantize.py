@@ -155,7 +155,8 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
         mode = f"dtype={dtype} quantize={quantize} compile={compile} kv_cache={kv_cache}"
         model, _ = load_model(tmp_path, "cpu", Precision(dtype, quantize))
         decode_step = CompiledDecodeStep(model, len(idx)) if compile and kv_cache else None  # as generate.py
-        new = list(stream(model, idx, Sampling(10, temperature=0), kv_cache=kv_cache, decode_step=decode_step))
+        greedy = Sampling(10, temperature=0)
+        new = list(stream(model, idx, greedy, kv_cache=kv_cache, decode_step=decode_step))
         tokens = torch.cat([idx, torch.stack(new, dim=1)], dim=1)           # (2, 15)
         assert ((0 <= tokens) & (tokens < 65)).all(), mode
         got = logits_along(model, tokens, 5, kv_cache, decode_step)

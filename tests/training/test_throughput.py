@@ -1,26 +1,13 @@
-"""model/device.py: device names (CPU, CUDA, MPS), precisions, the processes a torchrun job may
-start, the torchrun helpers in one process, MFU's peak by GPU name."""
+"""training/throughput.py and training/distributed.py: throughput windows and MFU (its peak from the
+GPU's name), training's autocast, and the processes a torchrun job may start."""
 
 import re
 
 import pytest
 import torch
 
-from cli.errors import naming
-from model.device import Precision, pick_device
 from training.distributed import check_processes
 from training.throughput import Throughput, autocast, peak_tflops
-
-
-def test_pick_device_names_the_option():
-    assert pick_device("cpu") == torch.device("cpu")
-    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ValueError, match=r"^train\.device='gpu' is not one of auto, cpu, cuda, cuda:N, mps"):
-        with naming("train.device", "device"):
-            pick_device("gpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="device=cuda but CUDA is not available"):
-            pick_device("cuda")
 
 
 def test_precisions():
@@ -29,34 +16,6 @@ def test_precisions():
         assert not torch.is_autocast_enabled("cpu")
     with autocast(cpu, "bfloat16"):
         assert torch.is_autocast_enabled("cpu")
-
-
-@pytest.mark.parametrize("device,dtype,quantize,n_params,expected", [
-    ("cpu", "auto", "auto", 10_000_000, ("bfloat16", "int8")),  # bandwidth-bound: int8 weights
-    ("cpu", "auto", "auto", 800_000, ("float32", None)),        # overhead-bound: the exact path
-    ("cpu", "float32", "auto", 10_000_000, ("float32", None)),  # float32 typed: exact, never int8
-    ("cpu", "bfloat16", "auto", 10_000_000, ("bfloat16", "int8")),
-    ("cpu", "auto", None, 10_000_000, ("float32", None)),
-    ("cpu", "auto", "int8", 800_000, ("bfloat16", "int8")),     # int8 asked for: bf16 activations
-    ("cpu", "float32", "int8", 800_000, ("float32", "int8")),
-    ("cuda", "auto", "auto", 10_000_000, ("bfloat16", None)),
-    ("mps", "auto", "auto", 10_000_000, ("float32", None)),      # MPS: float32, no int8 weights
-    ("mps", "bfloat16", "auto", 10_000_000, ("bfloat16", None)),
-])
-def test_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
-        device, dtype, quantize, n_params, expected):
-    assert Precision(dtype, quantize).on(torch.device(device), n_params) == expected
-
-
-@pytest.mark.parametrize("device,dtype,quantize,message", [
-    ("cpu", "float16", "auto", "dtype must be one of auto"),
-    ("cpu", "auto", "int4", "quantize must be null, auto or int8"),
-    ("cuda", "auto", "int8", "quantize=int8 is for CPUs, not cuda"),  # PyTorch's reference kernel on CUDA
-    ("mps", "auto", "int8", "quantize=int8 is for CPUs, not mps"),
-])
-def test_precision_names_the_option(device, dtype, quantize, message):
-    with pytest.raises(ValueError, match=message):
-        Precision(dtype, quantize).on(torch.device(device))
 
 
 def test_throughput_windows_skip_the_first_step_and_evaluations():
@@ -91,12 +50,6 @@ def test_mfu_is_per_device(world_size):
     tokens_per_s, mfu = speed.read()
     assert tokens_per_s == 4000 * world_size
     assert mfu == pytest.approx(4000 * 1e9 / 1e13)  # 40% on each device, whatever their number
-
-
-@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
-def test_mps_is_a_device_name_and_its_absence_one_line():
-    with pytest.raises(ValueError, match=r"^device=mps but PyTorch's MPS backend is not available here"):
-        pick_device("mps")
 
 
 def test_mps_trains_in_float32_without_autocast_unless_asked():
