@@ -32,7 +32,7 @@ from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.device import Precision, check_device, memory_bytes, pick_device
 from model.generation import CompiledDecodeStep, Sampling, left_pad, load_model, stream, timed_stream
-from model.kv_cache import KV_DTYPES
+from model.kv_cache import KV_DTYPES, storage_dtype
 from training.plots import pyplot
 
 
@@ -74,8 +74,8 @@ class GenerateConfig:
         # The library's own objects, made (and so checked) once, here: the run hands them on.
         self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         self.precision = Precision(self.dtype, self.quantize)
-        if self.kv_dtype not in (None, *KV_DTYPES):
-            raise ValueError(f"kv_dtype must be null or one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kv_dtype is not None:
+            storage_dtype(self.kv_dtype, "kv_dtype")  # the cache's own rule
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")

@@ -9,5 +9,5 @@ mkdir -p .gpu/wheels
 python -m pip download -q --no-deps --only-binary=:all: --platform any --python-version 3.12 \
   -d .gpu/wheels hydra-core==1.3.8 omegaconf==2.3.1
 python -m pip wheel -q --no-deps -w .gpu/wheels antlr4-python3-runtime==4.9.3  # published as source only
-KVGPT_CACHE=.gpu/data python -m data.prepare data=shakespeare_char
+KVGPT_CACHE=.gpu/data python -m cli.prepare data=shakespeare_char
 ls .gpu/wheels

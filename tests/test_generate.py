@@ -104,7 +104,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["top_k=0"], "top_k must be an integer >= 1"),
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
-    (["kv_dtype=int4"], "kv_dtype must be null or one of float32, bfloat16, int8, got 'int4'"),
+    (["kv_dtype=int4"], "kv_dtype must be one of float32, bfloat16, int8 (a torch dtype or its name), got"),
     (["seed=100000000000000000000000"], "seed=100000000000000000000000 is out of range"),
     (["max_new_tokens=100000000000000000000"], "max_new_tokens=100000000000000000000 is out of range"),
     ([f"num_samples={2**63 - 1}"], f"num_samples={2**63 - 1}: 9,223,372,036,854,775,807 rows take at least"),

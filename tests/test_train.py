@@ -1,5 +1,5 @@
-"""train.py: the run dir, the schedule, bit-identical resume, NaN and signal handling, wandb,
-DDP with gloo, sweeps."""
+"""train.py and training/loop.py, end to end: the run dir, the schedule, bit-identical resume, NaN
+and signal handling, wandb, DDP with gloo, sweeps."""
 
 import io
 import json

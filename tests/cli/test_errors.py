@@ -1,4 +1,4 @@
-"""model/command_line.py: the one guard every command line uses, and each entry point's one-line errors."""
+"""cli/errors.py: the one guard every command line uses, and each entry point's one-line errors."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""model/convert.py: MHA -> GQA/MQA by mean-pooling K/V heads, the command line, uptraining."""
+"""model/convert.py: MHA -> GQA/MQA by mean-pooling K/V heads; python -m cli.convert, then uptraining."""
 
 import json
 

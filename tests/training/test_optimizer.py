@@ -1,4 +1,4 @@
-"""model/optimizer.py: which parameters Muon and AdamW each get, BatchedMuon's step is PyTorch's Muon
+"""training/optimizer.py: which parameters Muon and AdamW each get, BatchedMuon's step is PyTorch's Muon
 step (bit for bit in bfloat16, as on a GPU; in float32 on a CPU), and train.optimizer=muon trains,
 checkpoints and resumes bit-identically, as AdamW does."""
 
