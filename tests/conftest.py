@@ -110,9 +110,10 @@ def started_with_the_session(request, hermetic_env, tmp_path_factory):
     wanted = {name: start for name, start in starts.items() if name in selected}
     if run_the_plan in wanted.values():
         request.getfixturevalue("char_data")  # the corpus the plan's commands find prepared
+    # Each is set up here, in this thread (its environment, what it imports), and only runs in its own.
+    runs = {name: start(tmp_path_factory.mktemp("commands")) for name, start in wanted.items()}
     with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
-        futures = {name: pool.submit(start, tmp_path_factory.mktemp("commands"))
-                   for name, start in wanted.items()}
+        futures = {name: pool.submit(run) for name, run in runs.items()}
         yield futures
         for future in futures.values():
             future.cancel()

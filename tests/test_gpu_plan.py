@@ -48,17 +48,24 @@ def test_the_plan_measures_every_section_and_lever_and_ends_with_the_cuda_checks
     assert all(argv[argv.index("--out") + 1] == "$OUT/gpu" for argv in gpu)  # one results file
 
 
-def run_the_plan(tmp_path) -> Path:
-    """The plan's gpu.py commands, with --smoke, in order, into one --out (returned). The session's
-    prepared corpus (KVGPT_CACHE; conftest prepares it first) stands in for the one the plan
-    carries. conftest starts this with the session, beside the suite."""
-    for command in plan_commands():
-        if command.startswith("python3 benchmarks/gpu.py"):
-            argv = [*shlex.split(command.replace("$OUT", str(tmp_path)))[1:], "--smoke"]
-            result = subprocess.run([sys.executable, "-c", WITHOUT_DATASETS.format(argv=argv)], cwd=ROOT,
-                                    env=clean_env(), capture_output=True, text=True, timeout=300)
-            assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
-    return tmp_path / "gpu"
+def run_the_plan(tmp_path):
+    """The plan's gpu.py commands, with --smoke, in order, into one --out: returned as the function
+    that runs them and returns that folder, their environment taken here, in the calling thread (a
+    test's monkeypatch later must not reach them). The session's prepared corpus (KVGPT_CACHE;
+    conftest prepares it first) stands in for the one the plan carries. conftest starts this with
+    the session, beside the suite."""
+    env = clean_env()
+
+    def run_commands() -> Path:
+        for command in plan_commands():
+            if command.startswith("python3 benchmarks/gpu.py"):
+                argv = [*shlex.split(command.replace("$OUT", str(tmp_path)))[1:], "--smoke"]
+                result = subprocess.run([sys.executable, "-c", WITHOUT_DATASETS.format(argv=argv)], cwd=ROOT,
+                                        env=env, capture_output=True, text=True, timeout=300)
+                assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+        return tmp_path / "gpu"
+
+    return run_commands
 
 
 @pytest.mark.slow

@@ -82,22 +82,27 @@ def run_all(commands: list[str], cwd, env) -> None:
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
 
 
-def run_every_command(tmp_path) -> None:
-    """The README's commands in order, then each docs page's in order, two pages at a time."""
+def run_every_command(tmp_path):
+    """The README's commands in order, then each docs page's in order, two pages at a time: set up
+    here (the GPT-2 directory, the environment), in the calling thread, and returned as the function
+    that runs them (conftest runs it in a thread of its own, beside the suite)."""
     hf_dir = str(tmp_path / "hf_gpt2")
     hf_gpt2(hf_dir, vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
-    # One thread per command: the suite runs beside them (conftest starts them with the session).
     env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
                     OMP_NUM_THREADS="1")
-    readme = folder(tmp_path, "readme")
-    first, *rest = dict.fromkeys(bash_commands(ROOT / "README.md"))  # a command shown twice runs once
-    run_all([tiny(first, "outputs/none-yet", hf_dir)], readme, env)
-    run = str(next((readme / "outputs").glob("*/*")))  # the run later commands name
-    lanes = [(readme, rest)] + [(folder(tmp_path, path.stem), bash_commands(path)) for path in DOCS[1:]]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for done in [pool.submit(run_all, [tiny(c, run, hf_dir) for c in commands], cwd, env)
-                     for cwd, commands in lanes]:
-            done.result()
+
+    def run_commands() -> None:
+        readme = folder(tmp_path, "readme")
+        first, *rest = dict.fromkeys(bash_commands(ROOT / "README.md"))  # a command shown twice runs once
+        run_all([tiny(first, "outputs/none-yet", hf_dir)], readme, env)
+        run = str(next((readme / "outputs").glob("*/*")))  # the run later commands name
+        lanes = [(readme, rest)] + [(folder(tmp_path, path.stem), bash_commands(path)) for path in DOCS[1:]]
+        with ThreadPoolExecutor(max_workers=2) as pool:  # one thread per command
+            for done in [pool.submit(run_all, [tiny(c, run, hf_dir) for c in commands], cwd, env)
+                         for cwd, commands in lanes]:
+                done.result()
+
+    return run_commands
 
 
 @pytest.mark.slow
