@@ -32,7 +32,7 @@ from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.device import Precision, check_device, memory_bytes, pick_device
 from model.generation import CompiledDecodeStep, Sampling, left_pad, load_model, stream, timed_stream
-from model.kv_cache import KV_DTYPES, storage_dtype
+from model.kv_cache import storage_dtype
 from training.plots import pyplot
 
 
@@ -74,8 +74,8 @@ class GenerateConfig:
         # The library's own objects, made (and so checked) once, here: the run hands them on.
         self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         self.precision = Precision(self.dtype, self.quantize)
-        if self.kv_dtype is not None:
-            storage_dtype(self.kv_dtype, "kv_dtype")  # the cache's own rule
+        # The torch dtype the cache stores in (None: the decode dtype), by the cache's own rule.
+        self.cache_dtype = None if self.kv_dtype is None else storage_dtype(self.kv_dtype, "kv_dtype")
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")
@@ -118,7 +118,7 @@ def check_batch_fits(model, rows: int, longest: int, cfg: GenerateConfig) -> Non
     num_samples is refused before anything is allocated, not by the allocator or the OOM killer."""
     c, device = model.config, model.wte.weight.device
     max_len = min(c.block_size, longest + cfg.max_new_tokens)
-    cache = model.new_kv_cache(1, max_len, KV_DTYPES.get(cfg.kv_dtype))
+    cache = model.new_kv_cache(1, max_len, cfg.cache_dtype)
     need = rows * (cache.nbytes * cfg.kv_cache + 4 * c.block_size * c.n_embd)
     if need > (have := memory_bytes(device)):
         raise ValueError(f"num_samples={cfg.num_samples}: {rows:,} rows take at least "
@@ -150,7 +150,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
         plot_attention(model, ids, labels, cfg.attn_layer, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
-    kv_dtype = KV_DTYPES.get(cfg.kv_dtype)
+    kv_dtype = cfg.cache_dtype
     decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype) if cfg.compile and cfg.kv_cache else None
     if cfg.benchmark:
         print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype)

@@ -4,7 +4,7 @@ checkpoint converted to N key/value heads by mean-pooling each group (model.conv
 import argparse
 from pathlib import Path
 
-from cli.errors import exit_on_user_error, naming
+from cli.errors import exit_on_user_error
 from model.convert import convert_checkpoint
 
 
@@ -15,8 +15,6 @@ def convert(ckpt, n_kv_head: int, out):
         example = out / "converted.pt" if out.is_dir() else out.with_name(f"{out.stem}_converted.pt")
         raise FileExistsError(f"--out {out} already exists (nothing is overwritten): give a new file "
                               f"name, e.g. --out {example}")
-    with naming("--out"):
-        out.parent.mkdir(parents=True, exist_ok=True)
     return convert_checkpoint(ckpt, n_kv_head, out)
 
 
