@@ -247,7 +247,7 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
     """Prefill and decode tokens/s of the batch `prompts` (lists of ids, left-padded into one), with
     and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it."""
     device, c = model.wte.weight.device, model.config
-    idx, pad = left_pad([p[-(c.max_positions or c.receptive_field):] for p in prompts], device)
+    idx, pad = left_pad([p[-(c.context_size or len(p)):] for p in prompts], device)
     (B, T), n = idx.shape, max(2, max_new_tokens)
     warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype, pad))  # (and compile)
     rows = []

@@ -13,11 +13,16 @@ import torch.nn.functional as F
 from model.config import GPTConfig
 
 
-def causal_mask(T: int, S: int, device=None, window: int | None = None) -> torch.Tensor:
+def causal_mask(T: int, S: int, device=None, window: int | None = None, sinks: int = 0) -> torch.Tensor:
     """(T, S) bool, True where query i (the i-th of the *last* T positions) may see key j: j is at
-    or before i, and with `window` one of the last `window` positions ending at i."""
+    or before i, and with `window` one of the last `window` positions ending at i or one of the
+    first `sinks` positions (StreamingLLM's attention sinks)."""
     mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
-    return mask if window is None else mask.triu(diagonal=S - T - window + 1)
+    if window is None:
+        return mask
+    near = torch.ones(T, S, dtype=torch.bool, device=device).triu(diagonal=S - T - window + 1)
+    near[:, :sinks] = True
+    return mask & near
 
 
 def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) -> torch.Tensor:
@@ -30,14 +35,16 @@ def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) ->
     return mask.expand(-1, -1, T, S).reshape(-1, n_kv_head, n_rep * T, S)
 
 
-def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.0, backend="sdpa",
-           return_weights=False, scale=None):
+def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, attn_mask=None, dropout_p=0.0,
+           backend="sdpa", return_weights=False, scale=None):
     """q (B, n_head, T, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, T, d_v).
 
     The queries are the last T of S positions, so the causal mask is bottom-right aligned (query i
-    sees keys 0 .. S-T+i); with `window` (sliding-window attention), only the last `window` of those.
-    `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
-    to 1/sqrt(d_k). `return_weights` (naive backend) also returns the weights (B, n_head, T, S).
+    sees keys 0 .. S-T+i); with `window` (sliding-window attention), only the last `window` of those
+    and the first `sinks`. `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
+    to 1/sqrt(d_k). `sink_logit` (n_head,) is gpt-oss's learned sink: one more logit per head in
+    every softmax, whose value is zero. `return_weights` (naive backend) also returns the weights
+    (B, n_head, T, S).
     """
     B, n_head, T, d_k = q.shape
     n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -48,6 +55,13 @@ def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.
     if return_weights and backend != "naive":
         raise ValueError("attend: return_weights=True needs backend='naive'")
 
+    if backend == "sdpa" and sink_logit is not None:
+        mask = attn_mask
+        if is_causal:
+            causal = causal_mask(T, S, q.device, window, sinks)
+            mask = causal if mask is None else mask & causal
+        k, v, bias = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
+        return attend(q, k, v, is_causal=False, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     if backend == "sdpa":
         # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
         if is_causal and attn_mask is None and T == S and window is None:
@@ -55,7 +69,7 @@ def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.
                                                   scale=scale, enable_gqa=n_kv_head != n_head)
         mask = attn_mask
         if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
-            causal = causal_mask(T, S, q.device, window)
+            causal = causal_mask(T, S, q.device, window, sinks)
             mask = causal if mask is None else mask & causal
         if n_kv_head == n_head:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
@@ -78,14 +92,33 @@ def attend(q, k, v, *, is_causal=True, window=None, attn_mask=None, dropout_p=0.
     scores = qg @ k.unsqueeze(2).transpose(-2, -1) * scale            # (B, n_kv_head, n_rep, T, S)
     scores = scores.view(B, n_head, T, S)                              # (B, n_head, T, S)
     if is_causal:
-        scores = scores.masked_fill(~causal_mask(T, S, q.device, window), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(T, S, q.device, window, sinks), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
-    weights = F.softmax(scores, dim=-1)
+    if sink_logit is None:
+        weights = F.softmax(scores, dim=-1)
+    else:  # the sink's logit joins the softmax; its weight goes nowhere
+        sink = sink_logit.to(scores.dtype).view(1, n_head, 1, 1).expand(B, n_head, T, 1)
+        weights = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]  # (B, n_head, T, S)
     dropped = F.dropout(weights, p=dropout_p) if dropout_p > 0 else weights
     out = dropped.view(B, n_kv_head, n_rep, T, S) @ v.unsqueeze(2)   # (B, n_kv_head, n_rep, T, d_v)
     out = out.view(B, n_head, T, d_v)                                  # (B, n_head, T, d_v)
     return (out, weights) if return_weights else out
+
+
+def with_sink_key(k, v, mask, sink_logit, shape, dtype):
+    """gpt-oss's learned sink as one more key per head for SDPA: a zero key (score 0) whose additive
+    mask is the head's logit, and a zero value. Returns k and v with it (.., S + 1, .) and the float
+    mask (B, n_head, T, S + 1): 0 where `mask` (bool, broadcasting to `shape`, or None) allows, -inf
+    where not."""
+    B, n_head, T, S = shape
+    bias = torch.zeros(shape, dtype=dtype, device=k.device)                 # (B, n_head, T, S)
+    if mask is not None:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    sink = sink_logit.to(dtype).view(1, n_head, 1, 1).expand(B, n_head, T, 1)
+    zero = k.new_zeros(B, k.size(1), 1, k.size(-1)), v.new_zeros(B, v.size(1), 1, v.size(-1))
+    return (torch.cat([k, zero[0]], dim=2), torch.cat([v, zero[1]], dim=2),  # (B, n_kv_head, S + 1, .)
+            torch.cat([bias, sink], dim=-1))                                # (B, n_head, T, S + 1)
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
@@ -122,7 +155,11 @@ class Attention(nn.Module):
         self.makes_kv = layer_idx % config.kv_share == 0
         self.kv_slot = layer_idx // config.kv_share  # the KVCache slot of this layer's group
         self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.backend, self.dropout, self.window = config.attn_backend, config.dropout, config.attn_window
+        self.backend, self.dropout = config.attn_backend, config.dropout
+        self.window = config.layer_window(layer_idx)  # None: this layer sees the whole context
+        self.n_sinks = config.attn_sinks if self.window is not None else 0
+        # gpt-oss's sinks: a learned logit per head that joins the softmax (attention may go nowhere).
+        self.sinks = nn.Parameter(torch.zeros(config.n_head)) if config.attn_sink_logit else None
         self.keep_weights = False  # set True to keep the last attention weights in .weights
         self.weights = None
 
@@ -130,8 +167,9 @@ class Attention(nn.Module):
         """`attend` with this layer's backend and dropout, causal (within the window) unless given a
         mask, which then says it all; naive (which can return them) when keeping the weights."""
         causal = attn_mask is None
-        out = attend(q, k, v, is_causal=causal, window=self.window if causal else None, attn_mask=attn_mask,
-                     dropout_p=self.dropout if self.training else 0.0, scale=scale,
+        out = attend(q, k, v, is_causal=causal, window=self.window if causal else None, sinks=self.n_sinks,
+                     sink_logit=self.sinks, attn_mask=attn_mask, scale=scale,
+                     dropout_p=self.dropout if self.training else 0.0,
                      backend="naive" if self.keep_weights else self.backend, return_weights=self.keep_weights)
         if self.keep_weights:
             out, self.weights = out
@@ -151,12 +189,13 @@ class CausalSelfAttention(Attention):
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cache_len=None):
+                cache_len=None, pad=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
-        K/V go to positions `input_pos` (T,) and the queries attend over the cache's first `cache_len`
-        slots (None: all of them). `attn_mask` says which keys each query sees; without one, plainly
-        causal (within the window): SDPA's fused kernels. A layer that makes no K/V attends over
-        `shared_kv`. The queries and keys are one tensor until RoPE has rotated both in one go."""
+        K/V go to positions `input_pos` (T,) and the queries attend over what the cache reads
+        (KVCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says which keys each
+        query sees; without one, plainly causal (within the window): SDPA's fused kernels. A layer
+        that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
+        has rotated both in one go."""
         B, T, C = x.shape
         n_k = self.n_kv_head if self.makes_kv else 0                    # key heads made here
         qk, v = self.qkv(x).split([C + self.kv_dim, self.kv_dim], dim=-1)
@@ -170,7 +209,7 @@ class CausalSelfAttention(Attention):
         if self.makes_kv:
             v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
             if kv_cache is not None:
-                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, read=cache_len)
+                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, read=cache_len, pad=pad)
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
@@ -202,7 +241,7 @@ class LatentAttention(Attention):
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
     def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cache_len=None):
+                cache_len=None, pad=None):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""
         B, T, C = x.shape
@@ -217,7 +256,7 @@ class LatentAttention(Attention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, read=cache_len)
+                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, read=cache_len, pad=pad)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

@@ -27,6 +27,9 @@ class GPTConfig:
     mla_rope_dim: int = 0  # MLA: width of the decoupled RoPE key shared by all heads
     kv_share: int = 1  # adjacent layers sharing one K/V (cross-layer attention); 1: each its own
     attn_window: int | None = None  # set: a query sees the last attn_window positions, its own included
+    window_pattern: str | None = None  # per layer S (within attn_window) or L (all), tiled; None: all S
+    attn_sinks: int = 0  # windowed layers also see the first attn_sinks positions, forever (StreamingLLM)
+    attn_sink_logit: bool = False  # a learned logit per head joins every softmax (gpt-oss's sinks)
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorm, as in GPT-2
@@ -54,11 +57,7 @@ class GPTConfig:
         if self.kv_share > self.n_layer:
             raise ValueError(f"GPTConfig.kv_share must be in 1..n_layer={self.n_layer}, got {self.kv_share}")
         self.check_mla()
-        if self.attn_window is not None:
-            check_int(self, "attn_window", 1)
-            if self.attn_window > self.block_size:
-                raise ValueError(f"GPTConfig.attn_window={self.attn_window} must be <= block_size="
-                                 f"{self.block_size} (null: attend over the whole block)")
+        self.check_windows()
         for name, allowed in OPTIONS.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -94,6 +93,46 @@ class GPTConfig:
                              f"multi-head latent attention: the RoPE key carries the positions; "
                              f"got {self.mla_rope_dim}")
 
+    def check_windows(self) -> None:
+        check_int(self, "attn_sinks", 0)
+        if not isinstance(self.attn_sink_logit, bool):
+            raise ValueError(f"GPTConfig.attn_sink_logit must be true or false, got {self.attn_sink_logit!r}")
+        if self.attn_window is None:
+            for name, value in (("window_pattern", self.window_pattern), ("attn_sinks", self.attn_sinks)):
+                if value:
+                    raise ValueError(f"GPTConfig.{name}={value!r} is for sliding-window layers: "
+                                     f"set attn_window too")
+            return
+        check_int(self, "attn_window", 1)
+        if self.attn_window > self.block_size:
+            raise ValueError(f"GPTConfig.attn_window={self.attn_window} must be <= block_size="
+                             f"{self.block_size} (null: attend over the whole block)")
+        pattern = self.window_pattern
+        if pattern is None:
+            return
+        if not isinstance(pattern, str) or not pattern or set(pattern) - set("SL") or "S" not in pattern \
+                or len(pattern) > self.n_layer:
+            raise ValueError(f"GPTConfig.window_pattern={pattern!r} must be 1..n_layer={self.n_layer} "
+                             f"letters S (a layer within attn_window) or L (a layer over the whole "
+                             f"context), one S at least, repeated over the layers: e.g. SSSSSL (Gemma) "
+                             f"or SL (gpt-oss)")
+        for first in range(0, self.n_layer, self.kv_share):
+            group = {self.layer_window(i) for i in range(first, min(first + self.kv_share, self.n_layer))}
+            if len(group) > 1:
+                raise ValueError(f"GPTConfig.window_pattern={pattern!r}: layers {first}.."
+                                 f"{first + self.kv_share - 1} share their K/V (kv_share={self.kv_share}), "
+                                 f"so they must share a window: give them one letter")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window of layer `layer`: attn_window, or None where the pattern says L (everything)."""
+        pattern = self.window_pattern
+        return None if pattern is not None and pattern[layer % len(pattern)] == "L" else self.attn_window
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Every layer's window (None: the whole context)."""
+        return [self.layer_window(i) for i in range(self.n_layer)]
+
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
@@ -105,30 +144,58 @@ class GPTConfig:
 
     @property
     def max_positions(self) -> int | None:
-        """How many positions a sequence may have: block_size, or None (no limit) for a sliding
-        window with RoPE, which never sees farther back than its window and has no position table."""
-        return None if self.attn_window is not None and self.pos_emb == "rope" else self.block_size
+        """How many positions a sequence may have: block_size, or None (no limit) where every layer
+        has a window and RoPE, so none sees farther back than its window (or its sinks) and there is
+        no position table."""
+        endless = self.pos_emb == "rope" and None not in self.windows
+        return None if endless else self.block_size
 
     @property
     def receptive_field(self) -> int | None:
-        """How many of the last tokens the next one depends on: with a window, each of n_layer
-        layers reaches attn_window - 1 positions further back; None without one (all of them)."""
-        return None if self.attn_window is None else self.n_layer * (self.attn_window - 1) + 1
+        """How many of the last tokens the next one depends on: where every layer has a window and no
+        sinks, each of n_layer layers reaches attn_window - 1 positions further back; None otherwise
+        (all of them: a layer over the whole context, or sinks, reach the first token)."""
+        if None in self.windows or self.attn_sinks:
+            return None
+        return self.n_layer * (self.attn_window - 1) + 1
+
+    @property
+    def context_size(self) -> int | None:
+        """How many of the last tokens the next one depends on: the positions a sequence may have,
+        or the receptive field; None: all of them."""
+        return self.max_positions or self.receptive_field
 
     @property
     def kv_layers(self) -> int:
         """Layers that keep keys and values in the cache: one per group of kv_share layers."""
         return -(-self.n_layer // self.kv_share)
 
+    @property
+    def kv_windows(self) -> list[int | None]:
+        """The window of each cached layer (the first of each kv_share group)."""
+        return self.windows[::self.kv_share]
+
     def kv_cache_formula(self) -> str:
-        """The numbers one cached position holds, e.g. '4 layers x 2 (K, V) x 2 kv heads x 32'."""
-        layers = f"{self.kv_layers} layer{'s' * (self.kv_layers > 1)}"
-        if self.kv_share > 1:
-            layers += f" (n_layer {self.n_layer} / kv_share {self.kv_share}" + \
-                (", rounded up)" if self.n_layer % self.kv_share else ")")
+        """The numbers one cached position holds, e.g. '4 layers x 2 (K, V) x 2 kv heads x 32'; with
+        local and global layers, what each kind holds, e.g. '2 layers x ... (+ 4 windowed layers x ...,
+        the last 64 + 4 sink positions)'."""
         if self.mla_latent_dim is not None:
-            return f"{layers} x ({self.mla_latent_dim} latent + {self.mla_rope_dim} rope)"
-        return f"{layers} x 2 (K, V) x {self.n_kv_head} kv head{'s' * (self.n_kv_head > 1)} x {self.head_dim}"
+            per_layer = f"({self.mla_latent_dim} latent + {self.mla_rope_dim} rope)"
+        else:
+            per_layer = f"2 (K, V) x {self.n_kv_head} kv head{'s' * (self.n_kv_head > 1)} x {self.head_dim}"
+        shared = ""
+        if self.kv_share > 1:
+            shared = f" (n_layer {self.n_layer} / kv_share {self.kv_share}" + \
+                (", rounded up)" if self.n_layer % self.kv_share else ")")
+        windowed = sum(w is not None for w in self.kv_windows)
+        if windowed in (0, self.kv_layers) and not self.attn_sinks:
+            return f"{self.kv_layers} layer{'s' * (self.kv_layers > 1)}{shared} x {per_layer}"
+        keeps = f"the last {self.attn_window}" + (f" + {self.attn_sinks} sink" if self.attn_sinks else "")
+        window = f"{windowed} windowed layer{'s' * (windowed > 1)} x {per_layer}, {keeps} positions"
+        if windowed == self.kv_layers:
+            return window + shared
+        full = self.kv_layers - windowed
+        return f"{full} layer{'s' * (full > 1)}{shared} x {per_layer} (+ {window})"
 
 
 def check_int(config: GPTConfig, name: str, minimum: int) -> None:

@@ -98,7 +98,7 @@ def llama_layout(model, family: str, needs: dict) -> tuple[dict, dict]:
     (not MLA) its attention too. `needs`: more fields `family` requires of the model."""
     c = model.config
     required = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
-                "kv_share": 1} | needs
+                "kv_share": 1, "window_pattern": None, "attn_sinks": 0, "attn_sink_logit": False} | needs
     for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a {family} needs model.{field}={'null' if value is None else value}, "

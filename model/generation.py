@@ -68,7 +68,8 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
 
-def check_generation(model, idx, sampling, *, generator, vocab_size, decode_step, kv_dtype, pad=None):
+def check_generation(model, idx, sampling, *, generator, vocab_size, decode_step, kv_dtype, pad=None,
+                     prefill_chunk=None):
     """The arguments of `stream`, checked once per call: `sampling` is a Sampling, the prompt's ids
     (B, T) are the model's, its positions allow max_new_tokens more, the generators are one per row
     on the model's device, vocab_size is at most the model's, and the decode step is this model's,
@@ -100,6 +101,8 @@ def check_generation(model, idx, sampling, *, generator, vocab_size, decode_step
                              f"or a list of them, got {g!r}")
     if vocab_size is not None:
         check_integer(vocab_size, "vocab_size", 1, vocab)
+    if prefill_chunk is not None:
+        check_integer(prefill_chunk, "prefill_chunk", 1)
     kv_dtype = None if kv_dtype is None else storage_dtype(kv_dtype, "kv_dtype")
     if decode_step is not None:
         if not isinstance(decode_step, CompiledDecodeStep) or decode_step.model is not model:
@@ -157,8 +160,9 @@ def left_pad(prompts, device):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
-             kv_cache=True, generator=None, vocab_size=None, decode_step=None, kv_dtype=None):
+def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, kv_cache=True,
+             generator=None, vocab_size=None, decode_step=None, kv_dtype=None, prefill_chunk=None,
+             share_prefix=True):
     """Sample max_new_tokens after the prompt(s), as nanoGPT's `generate`. `idx` is a (B, T)
     tensor, or a list of 1-D prompts of different lengths. Returns prompt + new tokens: a
     (B, T + max_new_tokens) tensor, or for a list, a list of 1-D tensors. temperature=0 is
@@ -166,7 +170,8 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     sampling = Sampling(max_new_tokens, temperature, top_k, top_p)
     prompts, pad = left_pad(idx, model.wte.weight.device)
     new = list(stream(model, prompts, sampling, kv_cache=kv_cache, generator=generator, pad=pad,
-                      vocab_size=vocab_size, decode_step=decode_step, kv_dtype=kv_dtype))
+                      vocab_size=vocab_size, decode_step=decode_step, kv_dtype=kv_dtype,
+                      prefill_chunk=prefill_chunk, share_prefix=share_prefix))
     out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
     if isinstance(idx, torch.Tensor):
         return out
@@ -176,27 +181,30 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 @torch.no_grad()
 def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad=None, decode_step=None,
-           vocab_size=None, kv_dtype=None):
+           vocab_size=None, kv_dtype=None, prefill_chunk=None, share_prefix=True):
     """Yield the next token of every row, (B,), as `sampling` draws them: max_new_tokens times.
 
     Without the cache, each step runs the context from scratch (`prefill`): the reference. With
     it, the prompt is prefilled once and each step feeds one token to a static KVCache, stored in
     `kv_dtype` (float32, bfloat16 or int8; default: the model's dtype). When the cache is full,
-    `make_room` refills it, so learned and RoPE positions alike generate past block_size. A
-    sliding-window model with RoPE needs neither: its reference is the whole context (of which the
-    last `receptive_field` tokens matter), its cache a ring. `decode_step` (a `CompiledDecodeStep`)
+    `make_room` refills it, so learned and RoPE positions alike generate past block_size. A model
+    whose every layer has a window, with RoPE, needs neither: its reference is the whole context (of
+    which the last `receptive_field` tokens matter, or with sinks the first ones too), its cache
+    rings. The prompt goes in `prefill_chunk` tokens at a time (None: at once); rows sharing a
+    prompt prefix compute it once (`share_prefix`). `decode_step` (a `CompiledDecodeStep`)
     replaces the eager one-token step, and its static cache the one allocated per call. `vocab_size`
     limits sampling to the ids below it (a tokenizer's). The arguments that depend on the model are
     checked here, once (the Sampling was when it was made).
     """
     decode_step = decode_step if kv_cache else None  # no cache, no decode step
     kv_dtype = check_generation(model, idx, sampling, generator=generator, vocab_size=vocab_size,
-                                decode_step=decode_step, kv_dtype=kv_dtype, pad=pad)
+                                decode_step=decode_step, kv_dtype=kv_dtype, pad=pad,
+                                prefill_chunk=prefill_chunk)
     c, max_new_tokens = model.config, sampling.max_new_tokens
     B, T = idx.shape
     # tokens[:, :length]: the prompt and the tokens so far, written in place; when it is full, only
     # the last `history` stay (all any step reads again), moved to the front, and pad moves with them.
-    history = c.max_positions or c.receptive_field
+    history = c.context_size or T + max_new_tokens
     tokens = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
                          device=idx.device)                              # (B, capacity)
     tokens[:, :T] = idx
@@ -213,7 +221,7 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     # The model runs in inference mode (no autograd bookkeeping: ~15% faster a step on a CPU); the
     # tokens, sampled outside it, are plain tensors a caller may train on.
     with torch.inference_mode():
-        logits, cache_pad = prefill(model, tokens[:, :length], cache, pad)
+        logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], sampling, generator)  # (B,)
         yield token
@@ -230,14 +238,14 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
                 logits, _ = prefill(model, tokens[:, :length], None, pad)
                 continue
             if cache.length == cache.max_len and not cache.ring:
-                cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad)
+                cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad, prefill_chunk)
             logits = step(token[:, None], cache, cache_pad)
 
 
 def new_tokens_allowed(config, prompt_len: int) -> float:
     """How many tokens may follow a prompt of prompt_len: as many as wanted (inf), except with a
     sliding window and learned positions, which end at block_size (no refill keeps a window)."""
-    if config.attn_window is not None and config.max_positions is not None:
+    if config.attn_window is not None and config.pos_emb == "learned":
         return max(0, config.block_size - prompt_len)
     return math.inf
 
@@ -252,15 +260,17 @@ def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_s
     return out[0].tolist()
 
 
-def prefill(model, tokens, cache=None, pad=None):
+def prefill(model, tokens, cache=None, pad=None, chunk=None, share_prefix=True):
     """Run from scratch the part of `tokens` (B, length) the next token depends on, into an
     emptied cache if one is given: (the logits (B, vocab) after it, the pad (B,) of that context or
-    None). With learned positions or full attention that is the last block_size tokens, from
-    position 0: past block_size, the reference's context slides. With a window and RoPE, the last
-    receptive_field tokens at the positions they have in the whole sequence (their pad lowered by
-    the tokens cut, below 0 once a row's padding is all cut): what the whole context computes."""
+    None). With learned positions or a layer over the whole context that is the last block_size
+    tokens, from position 0: past block_size, the reference's context slides. With windows and
+    RoPE, the last receptive_field tokens at the positions they have in the whole sequence (their pad
+    lowered by the tokens cut, below 0 once a row's padding is all cut): what the whole context
+    computes; with sinks, all of it. Into a cache, `chunk` tokens at a time, and a prompt prefix
+    every row shares (`share_prefix`; num_samples of one prompt share all of it) computed once."""
     c, length = model.config, tokens.size(1)
-    context = tokens[:, max(0, length - (c.max_positions or c.receptive_field)):]  # (B, <= that)
+    context = tokens[:, max(0, length - (c.context_size or length)):]    # (B, <= that)
     cut = length - context.size(1)
     if c.max_positions is not None:
         context_pad = None if pad is None else (pad - cut).clamp(min=0)  # (B,)
@@ -268,34 +278,61 @@ def prefill(model, tokens, cache=None, pad=None):
         context_pad = (tokens.new_zeros(tokens.size(0)) if pad is None else pad) - cut  # (B,)
     else:
         context_pad = None
-    if cache is not None:
-        cache.reset()
-    return model(context, kv_cache=cache, pad=context_pad, last_only=True)[:, -1], context_pad
+    if cache is None:
+        return model(context, pad=context_pad, last_only=True)[:, -1], context_pad
+    cache.reset()
+    shared = shared_prefix(context, context_pad) if share_prefix else 0
+    if not shared:
+        return feed(model, context, cache, context_pad, chunk), context_pad
+    start = 0 if context_pad is None else int(context_pad[0])
+    prefix = model.new_kv_cache(1, shared, ring=False)                   # plain slots, compute dtype
+    logits = feed(model, context[:1, start:start + shared], prefix, None, chunk)  # (1, vocab)
+    cache.fill_from(prefix, context.size(0), context_pad)
+    if shared == context.size(1):  # every row is this prompt
+        return logits.expand(context.size(0), -1), context_pad
+    return feed(model, context[:, shared:], cache, context_pad, chunk), context_pad
 
 
-def make_room(model, tokens, cache, pad):
+def shared_prefix(context, pad=None) -> int:
+    """How many first tokens every row of `context` (B, T), left-padded by `pad`, has in common: 0
+    for a single row, or rows cut from longer sequences (a negative pad)."""
+    B, T = context.shape
+    if B == 1 or (pad is not None and int(pad.min()) < 0):
+        return 0
+    starts = context.new_zeros(B) if pad is None else pad                # (B,)
+    n = T - int(starts.max())                                            # the shortest row's length
+    first = context.gather(1, starts[:, None] + torch.arange(n, device=context.device))  # (B, n)
+    same = (first == first[:1]).all(dim=0)                               # (n,)
+    return int(same.int().cumprod(dim=0).sum())
+
+
+def feed(model, tokens, cache, pad=None, chunk=None):
+    """Write tokens (B, T) into the cache after what it holds, `chunk` at a time (None: all at once);
+    the logits (B, vocab) after the last."""
+    step = tokens.size(1) if chunk is None else chunk
+    for i in range(0, tokens.size(1), step):
+        logits = model(tokens[:, i:i + step], kv_cache=cache, pad=pad, last_only=True)
+    return logits[:, -1]
+
+
+def make_room(model, tokens, cache, pad, chunk=None):
     """Free slots in a full cache, as each row would alone. A row whose context fills the cache
     (no pad slot left) keeps its last block_size // 2 - 1 tokens, recomputed at positions from 0;
     with the next token they make the block_size // 2 it restarts from. Every other row keeps its
-    whole context, as it would alone, where its cache is not full yet: its keys and values move
-    to earlier slots, and its padding shrinks by as much, so their positions stay. tokens
-    (B, length) ends with the cached context; pad (B,) or None. Returns the new pad."""
+    whole context at the positions it has, as it would alone, where its cache is not full yet.
+    Both are written again from the tokens, left-padded (`chunk` at a time): every cache kind
+    refills one way. tokens (B, length) ends with the cached context; pad (B,) or None. Returns the
+    new pad."""
     keep = max(model.config.block_size // 2, 1) - 1
     padding = torch.zeros(tokens.size(0), dtype=torch.long, device=tokens.device) if pad is None else pad
-    full = padding == 0                                                  # (B,)
-    kept = torch.where(full, keep, cache.length - padding)               # (B,) tokens each row keeps
+    kept = torch.where(padding == 0, keep, cache.length - padding)       # (B,) tokens each row keeps
     n = int(kept.max())
-    if pad is None:  # every row restarts: nothing to move
-        cache.reset()
-        cache.advance(n)
-    else:
-        cache.keep_last(n)
-    if keep:
-        rows = full.nonzero().squeeze(1)                                 # (rows,)
-        refill = model.new_kv_cache(len(rows), keep, dtype=cache.dtype)
-        model(tokens[rows, -keep:], kv_cache=refill)
-        cache.write_rows(rows, n - keep, refill)
-    return None if pad is None else n - kept
+    new_pad = n - kept                                                   # (B,)
+    new_pad = new_pad if new_pad.any() else None
+    cache.reset()
+    if n:
+        feed(model, tokens[:, tokens.size(1) - n:], cache, new_pad, chunk)
+    return new_pad
 
 
 def decode_backends(device: torch.device) -> list[SDPBackend]:

@@ -137,36 +137,36 @@ class GPT(nn.Module):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None) -> KVCache:
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None,
+                     ring: bool = True) -> KVCache:
         """A cache sized for this model, on its device, handing attention its dtype; it stores in
         `dtype` (by default the model's; else float32, bfloat16 or int8, a torch dtype or its name;
         int8: one scale per position and K/V head). max_len (default block_size) is the positions
-        the cache must hold; a sliding-window model holds at most its window, in a ring that takes
-        positions without end."""
+        the cache must hold. A windowed layer holds at most its window (and the sinks), in a ring that
+        takes positions without end; with ring=False, every layer holds max_len positions."""
         c = self.config
         max_len = c.block_size if max_len is None else max_len
         check_integer(batch_size, "batch_size", 1)
         check_integer(max_len, "max_len", 1, c.block_size)
-        ring = c.attn_window is not None and max_len >= c.attn_window
         weight = self.wte.weight
         dtype = weight.dtype if dtype is None else storage_dtype(dtype)
-        kw = dict(dtype=dtype, compute_dtype=weight.dtype, ring=ring, device=weight.device)
-        max_len = c.attn_window if ring else max_len
+        windows = c.kv_windows if ring else [None] * c.kv_layers
+        kw = dict(sinks=c.attn_sinks, dtype=dtype, compute_dtype=weight.dtype, device=weight.device)
         if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
-            return KVCache(c.kv_layers, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
+            return KVCache(windows, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
                            value_dim_in_keys=c.mla_latent_dim, **kw)
-        return KVCache(c.kv_layers, batch_size, c.n_kv_head, max_len, c.head_dim, **kw)
+        return KVCache(windows, batch_size, c.n_kv_head, max_len, c.head_dim, **kw)
 
     def forward(self, idx, targets=None, *, kv_cache=None, pad=None, last_only=False):
         """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets;
         with `last_only`, the last position's alone (B, 1, vocab_size), all a prefill needs.
 
         With `kv_cache`, the tokens continue the cached sequence: they take positions
-        kv_cache.length .. +T-1, and the cache advances by T. `pad` (B,) counts left-padding
-        tokens per row (batched prompts of different lengths): pads are never attended to and
-        positions start after them. A negative pad is a row that started -pad positions earlier:
-        its positions continue from there (a context cut from a longer sequence, see
-        generation.prefill).
+        kv_cache.length .. +T-1, and the cache advances by T (any T: a chunk goes through a ring
+        too). `pad` (B,) counts left-padding tokens per row (batched prompts of different lengths):
+        pads are never attended to and positions start after them. A negative pad is a row that
+        started -pad positions earlier: its positions continue from there (a context cut from a
+        longer sequence, see generation.prefill).
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
@@ -174,18 +174,10 @@ class GPT(nn.Module):
         if limit is not None and start + T > limit:
             raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
                              f"size {limit}")
-        if kv_cache is not None and kv_cache.ring and start > 0 and T > 1:
-            # A ring holds one window: the tokens after a prefill go in one at a time.
-            logits = torch.cat([self(idx[:, t:t + 1], kv_cache=kv_cache, pad=pad) for t in range(T)], dim=1)
-            logits = logits[:, -1:] if last_only else logits
-        else:
-            input_pos = torch.arange(start, start + T, device=idx.device)
-            # Attention reads the positions written so far, which need no mask: a ring past its
-            # prefill holds them out of order, so it reads every slot, by position.
-            cache_len = None if kv_cache is not None and kv_cache.ring and start > 0 else start + T
-            logits = self.logits_at(idx, input_pos, kv_cache, pad, cache_len, last_only)
-            if kv_cache is not None:
-                kv_cache.advance(T)
+        input_pos = torch.arange(start, start + T, device=idx.device)
+        logits = self.logits_at(idx, input_pos, kv_cache, pad, start + T, last_only)
+        if kv_cache is not None:
+            kv_cache.advance(T)
         if targets is None:
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(),             # (B*T, vocab_size)
@@ -194,18 +186,11 @@ class GPT(nn.Module):
 
     def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
-        decode step built on it compiles to one fixed-shape graph. Attention reads the cache's first
-        `cache_len` slots (positions 0 .. cache_len - 1), or with None every slot, masked by the
-        position it holds (the compiled step's fixed shape)."""
-        attn_mask, positions = None, input_pos                         # (T,)
-        every_slot = kv_cache is not None and cache_len is None
-        if pad is not None or every_slot:
-            key_pos = kv_cache.positions(input_pos) if every_slot else torch.arange(
-                input_pos.size(0) if kv_cache is None else cache_len, device=idx.device)  # (S,)
-            attn_mask = self.attention_mask(input_pos, key_pos, pad)
-            if pad is not None:
-                positions = (input_pos - pad[:, None]).clamp(min=0)      # (B, T)
-
+        decode step built on it compiles to one fixed-shape graph. Attention reads what the cache
+        holds of positions 0 .. cache_len - 1, or with None every slot, masked by the position it
+        holds (the compiled step's fixed shape)."""
+        masks = self.attention_masks(input_pos, kv_cache, pad, cache_len)  # per layer window
+        positions = input_pos if pad is None else (input_pos - pad[:, None]).clamp(min=0)  # (T,) or (B, T)
         x = self.wte(idx)                                                # (B, T, n_embd)
         rope = None
         if self.wpe is not None:
@@ -218,22 +203,40 @@ class GPT(nn.Module):
         x = self.drop(x)
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
-            x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, attn_mask=attn_mask,
-                          shared_kv=kv, cache_len=cache_len)
+            x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, shared_kv=kv,
+                          attn_mask=masks[block.attn.window], cache_len=cache_len, pad=pad)
         if last_only:
             x = x[:, -1:]                                                # (B, 1, n_embd)
         return self.lm_head(self.norm_f(x))                              # (B, T or 1, vocab_size)
 
-    def attention_mask(self, query_pos, key_pos, pad=None) -> torch.Tensor:
+    def attention_masks(self, input_pos, kv_cache=None, pad=None, cache_len=None) -> dict:
+        """{window: mask} for each window the layers have (None: the whole context): the mask of the
+        keys a layer with that window reads (KVCache.key_positions), or None where they are positions
+        0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
+        fused kernels run)."""
+        masks, c = {}, self.config
+        for window in dict.fromkeys(c.windows):
+            key_pos = None if kv_cache is None else kv_cache.key_positions(
+                c.kv_windows.index(window), input_pos, cache_len, pad)           # (S,), (B, S) or None
+            if key_pos is None and pad is not None:
+                S = input_pos.size(0) if kv_cache is None else cache_len
+                key_pos = torch.arange(S, device=input_pos.device)
+            masks[window] = None if key_pos is None else self.attention_mask(input_pos, key_pos, pad, window)
+        return masks
+
+    def attention_mask(self, query_pos, key_pos, pad=None, window=None) -> torch.Tensor:
         """(T, S), or with pad (B,) (B, 1, T, S): True where the query at query_pos (T,) may see the
-        key at key_pos (S,): at or before it, within the window, written (position >= 0), and not
-        a pad unless the query is one too (so no row is empty, NaN)."""
-        distance = query_pos[:, None] - key_pos                          # (T, S)
+        key at key_pos (S,) or (B, S): at or before it, written (position >= 0), within `window` or
+        one of the row's first attn_sinks positions, and not a pad unless the query is one too (so no
+        row is empty, NaN)."""
+        key_pos = key_pos[..., None, :]                                  # (1, S) or (B, 1, S)
+        distance = query_pos[:, None] - key_pos                          # (T, S) or (B, T, S)
         mask = (distance >= 0) & (key_pos >= 0)
-        if self.config.attn_window is not None:
-            mask &= distance < self.config.attn_window
+        row_start = 0 if pad is None else pad[:, None, None]             # (B, 1, 1): each row's position 0
+        if window is not None:
+            mask = mask & ((distance < window) | (key_pos - row_start < self.config.attn_sinks))
         if pad is None:
             return mask
-        is_pad_key = key_pos < pad[:, None, None]                         # (B, 1, S)
-        is_pad_query = query_pos[:, None] < pad[:, None, None]           # (B, T, 1)
+        is_pad_key = key_pos < row_start                                 # (B, 1, S)
+        is_pad_query = query_pos[:, None] < row_start                    # (B, T, 1)
         return (mask & (~is_pad_key | is_pad_query)).unsqueeze(1)        # (B, 1, T, S)

@@ -27,75 +27,167 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class KVCache:
     """Per slot (one layer, or one group of `GPTConfig.kv_share` layers), K and V of shape
-    (B, n_kv_head, max_len, key_dim) in `dtype`, handed to attention in `compute_dtype`. With
-    dtype int8, each position of each head has a scale (B, n_kv_head, max_len, 1) in compute_dtype.
+    (B, n_kv_head, slot length, key_dim) in `dtype`, handed to attention in `compute_dtype`. With
+    dtype int8, each position of each head has a scale (B, n_kv_head, slot length, 1) in compute_dtype.
     With `value_dim_in_keys=L`, each V is K's first L columns (MLA caches one latent that serves as
-    both), so only K takes memory. With `ring`, max_len is a sliding window: position p lives in
-    slot p % max_len, and positions never run out. Only the cache moves `length` (the positions
-    written); slots past it hold stale values the mask hides, so shapes never change and decode can
-    be compiled. Storing in another dtype, it keeps one slot's K and V in compute_dtype too
-    (`read_buffer`), into which each layer converts its own: much faster than a fresh tensor."""
+    both), so only K takes memory.
 
-    def __init__(self, n_slots, batch_size, n_kv_head, max_len, key_dim, *, value_dim_in_keys=0,
-                 dtype=torch.float32, compute_dtype=None, ring=False, device=None):
-        shape, scale_shape = (batch_size, n_kv_head, max_len, key_dim), (batch_size, n_kv_head, max_len, 1)
+    `windows` gives each slot's window (None: its layers see the whole context). A slot whose window
+    plus `sinks` fits in max_len is a ring: `sinks` slots keep each row's first positions forever
+    (StreamingLLM), then position p overwrites slot sinks + p % window, so positions never run out.
+    Every other slot holds max_len positions, position p in slot p. Only the cache moves `length`
+    (the positions written); slots past it hold stale values the mask hides, so shapes never change
+    and decode can be compiled. Storing in another dtype, it keeps one slot's K and V in
+    compute_dtype too (`read_buffer`), into which each layer converts its own: much faster than a
+    fresh tensor."""
+
+    def __init__(self, windows, batch_size, n_kv_head, max_len, key_dim, *, sinks=0, value_dim_in_keys=0,
+                 dtype=torch.float32, compute_dtype=None, device=None):
+        self.windows, self.sinks = list(windows), sinks
+        self.rings = [w is not None and max_len >= sinks + w for w in self.windows]
+        self.slot_lens = [sinks + w if ring else max_len for w, ring in zip(self.windows, self.rings)]
+        self.ring = all(self.rings)  # only rings: the cache is never full
         self.quantized = dtype == torch.int8
         self.dtype, self.compute_dtype = dtype, compute_dtype or (torch.float32 if self.quantized else dtype)
         self.value_dim_in_keys = value_dim_in_keys
-        self.batch_size, self.max_len, self.ring = batch_size, max_len, ring
+        self.batch_size, self.max_len = batch_size, max(self.slot_lens)
         kv = ["k"] if value_dim_in_keys else ["k", "v"]
-        self.stored = {name: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_slots)]
-                       for name in kv}
+        shapes = {name: [(batch_size, n_kv_head, n, key_dim) for n in self.slot_lens] for name in kv}
         if self.quantized:
-            self.stored |= {f"{name}_scale": [torch.zeros(scale_shape, dtype=self.compute_dtype,
-                                                          device=device) for _ in range(n_slots)]
-                            for name in kv}
+            shapes |= {f"{name}_scale": [(batch_size, n_kv_head, n, 1) for n in self.slot_lens]
+                       for name in kv}
+        self.stored = {name: [torch.zeros(shape, device=device,
+                                          dtype=self.compute_dtype if name.endswith("_scale") else dtype)
+                              for shape in slot_shapes] for name, slot_shapes in shapes.items()}
         self.read_buffer = {} if dtype == self.compute_dtype else {
-            name: torch.empty(shape, dtype=self.compute_dtype, device=device) for name in kv}
+            name: torch.empty(batch_size, n_kv_head, self.max_len, key_dim, dtype=self.compute_dtype,
+                              device=device) for name in kv}
         self.length = 0
 
-    def update(self, slot, input_pos, k, v=None, read=None):
+    def update(self, slot, input_pos, k, v=None, read=None, pad=None):
         """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
-        (a batch smaller than the cache uses those). Return the K and V attention reads, as stored
-        and in compute_dtype: every slot (at `positions(input_pos)`), or the first `read` slots
-        (positions 0 .. read - 1), or when those are just the T written (a prefill) the T as written,
-        which a ring longer than its window keeps only the last max_len of. A ring takes one position
-        at a time after its prefill."""
-        slots = input_pos % self.max_len if self.ring else input_pos           # (T,)
-        keys = self.write(slot, "k", slots, k, read)
+        (a batch smaller than the cache uses those; `pad` (B,) shifts each row's sink positions).
+        Return the K and V attention reads, as stored and in compute_dtype, laid out as
+        `key_positions` says."""
+        keys = self.write(slot, "k", input_pos, k, read, pad)
         if self.value_dim_in_keys:
             return keys, keys[..., :self.value_dim_in_keys]
-        return keys, self.write(slot, "v", slots, v, read)
+        return keys, self.write(slot, "v", input_pos, v, read, pad)
 
-    def write(self, slot, name, slots, x, read):
-        """Store x (B, heads, T, dim) at `slots`; return what attention reads (see update)."""
-        last = slice(-self.max_len, None)  # all T of a plain cache, the last max_len of a ring
-        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, max_len, dim)
-        scale = scales = None
+    def write(self, slot, name, input_pos, x, read, pad):
+        """Store x (B, heads, T, dim) at input_pos; return what attention reads (see key_positions)."""
+        T, ring = x.size(2), self.rings[slot]
+        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
+        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None
+        old = None
+        if self.reads_before_writing(slot, T, read):  # a copy: the store below overwrites slots of it
+            old = self.read(name, stored, scales, stored.size(2))
+            old = old if self.read_buffer else old.clone()
+        new = self.store(slot, name, input_pos, x, pad)                        # as the cache will read it
+        if old is not None:
+            return torch.cat([old, new], dim=2)                                # (B, heads, slots + T, dim)
+        if read == T:
+            return new                                                         # (B, heads, T, dim)
+        return self.read(name, stored, scales, stored.size(2) if read is None or ring else read)
+
+    def store(self, slot, name, input_pos, x, pad=None) -> torch.Tensor:
+        """Store x (B, heads, T, dim) at positions input_pos (T,): a ring keeps the last `window` of
+        them and each row's first `sinks`. Returns x as the cache reads it back, in compute_dtype."""
+        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
+        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None  # (.., 1)
         if self.quantized:
             x, scale = quantize_rows(x)                                        # (B, heads, T, dim), (.., 1)
             scale = scale.to(self.compute_dtype)
-            scales = self.stored[f"{name}_scale"][slot][:x.size(0)]            # (B, heads, max_len, 1)
-            scales.index_copy_(2, slots[last], scale[:, :, last])
+            new = x.to(self.compute_dtype) * scale
         else:
-            x = x.to(self.dtype)
-        stored.index_copy_(2, slots[last], x[:, :, last])
-        if read == x.size(2):
-            return x.to(self.compute_dtype) if scale is None else x.to(self.compute_dtype) * scale
-        stored = stored[:, :, :read]                                           # (B, heads, read, dim)
+            x, scale = x.to(self.dtype), None
+            new = x.to(self.compute_dtype)
+        slots, last = input_pos, slice(None)
+        if self.rings[slot]:
+            window = self.windows[slot]
+            last = slice(-window, None)
+            slots = self.sinks + input_pos[last] % window                      # (<= window,)
+            self.write_sinks(stored, scales, input_pos, x, scale, pad)
+        stored.index_copy_(2, slots, x[:, :, last])
+        if scales is not None:
+            scales.index_copy_(2, slots, scale[:, :, last])
+        return new
+
+    def fill_from(self, prefix: "KVCache", rows: int, pad=None) -> None:
+        """Every row as if it had been fed positions 0 .. prefix.length - 1, row b's position p at
+        column pad[b] + p: a prompt prefix shared by every row, computed once (in `prefix`, one row
+        of plain slots in compute_dtype) and written into each of the first `rows`. Columns before a
+        row's pad get its position 0 again, which the mask hides as padding."""
+        n = prefix.length
+        columns = torch.arange(n, device=prefix.stored["k"][0].device)
+        source = columns if pad is None else (columns - pad[:, None]).clamp(min=0)  # (n,) or (B, n)
+        source = source.expand(rows, n) if pad is None else source               # (B, n)
+        for name, slots in prefix.stored.items():
+            for slot, kv in enumerate(slots):
+                rows = kv[0, :, :n][:, source]                                 # (heads, B, n, dim)
+                self.store(slot, name, columns, rows.transpose(0, 1), pad)
+        self.length = n
+
+    def read(self, name, stored, scales, n):
+        """The first n slots of `stored` in compute_dtype (B, heads, n, dim), scaled if int8."""
+        stored = stored[:, :, :n]
         if not self.read_buffer:
             return stored
-        buffer = self.read_buffer[name][:x.size(0), :, :read].copy_(stored)    # (B, heads, read, dim)
-        return buffer if scales is None else buffer.mul_(scales[:, :, :read])
+        buffer = self.read_buffer[name][:stored.size(0), :, :n].copy_(stored)  # (B, heads, n, dim)
+        return buffer if scales is None else buffer.mul_(scales[:, :, :n])
 
-    def positions(self, input_pos) -> torch.Tensor:
-        """(max_len,) the position each slot holds once input_pos (T,) is written: the slot itself,
-        or in a ring the latest position that falls on it (negative: none has yet)."""
-        slots = torch.arange(self.max_len, device=input_pos.device)
-        if not self.ring:
-            return slots
-        last = input_pos[-1]
-        return last - (last - slots) % self.max_len
+    def write_sinks(self, stored, scales, input_pos, x, scale, pad):
+        """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `pad`) in the
+        ring's first slots, whichever columns they are written at: a fixed-shape `where` per sink."""
+        rows = torch.arange(x.size(0), device=x.device)
+        row_pos = input_pos - (0 if pad is None else pad[:, None])             # (B, T)
+        for s in range(self.sinks):
+            at = row_pos == s                                                  # (B, T): at most one per row
+            t, written = at.int().argmax(dim=1), at.any(dim=1)[:, None, None]  # (B,), (B, 1, 1)
+            stored[:, :, s] = torch.where(written, x[rows, :, t], stored[:, :, s])
+            if scales is not None:
+                scales[:, :, s] = torch.where(written, scale[rows, :, t], scales[:, :, s])
+
+    def reads_before_writing(self, slot, T, read) -> bool:
+        """A chunk of T > 1 positions into a ring that holds earlier ones: its queries need keys the
+        chunk overwrites, so attention reads the ring as it was, then the chunk."""
+        return self.rings[slot] and T > 1 and read is not None and read > T
+
+    def key_positions(self, slot, input_pos, read, pad=None) -> torch.Tensor | None:
+        """The position each key that slot `slot`'s attention reads holds, (S,) or (B, S) with
+        `pad`, -1 where none is to be seen; or None when the keys are positions 0 .. S-1 in order
+        (S = read), which a causal mask (bottom-right) describes. A plain slot reads its first `read`
+        slots (None: every slot, by position: the compiled step's fixed shape). A ring reads the T
+        new positions as written when it was empty (read == T), every slot after writing one
+        position, or (reads_before_writing) every slot as it was followed by the T new. A ring slot
+        holding a sink position hides it: its sink slot shows it."""
+        T = input_pos.size(0)
+        if read is not None and (read == T or not self.rings[slot]):
+            return None
+        if not self.rings[slot]:
+            return torch.arange(self.slot_lens[slot], device=input_pos.device)
+        if not self.reads_before_writing(slot, T, read):
+            return self.ring_positions(self.windows[slot], input_pos[-1] + 1, pad)
+        return torch.cat([self.ring_positions(self.windows[slot], input_pos[0], pad),
+                          input_pos.expand(*(() if pad is None else (pad.size(0),)), T)], dim=-1)
+
+    def ring_positions(self, window, end, pad):
+        """(sinks + window,) or with pad (B, sinks + window): the positions a ring holds once positions
+        0 .. end-1 are written, -1 for a slot not written yet and for a sink position in the ring."""
+        device = end.device if isinstance(end, torch.Tensor) else None
+        last = torch.as_tensor(end, device=device) - 1
+        slots = torch.arange(window, device=device)
+        ring = last - (last - slots) % window                                  # (window,)
+        if pad is not None:
+            ring = ring.expand(pad.size(0), window)                            # (B, window)
+        row_start = 0 if pad is None else pad[:, None]
+        if self.sinks:
+            ring = ring.masked_fill(ring - row_start < self.sinks, -1)
+        sinks = row_start + torch.arange(self.sinks, device=device)            # (sinks,) or (B, sinks)
+        sinks = sinks.masked_fill(sinks > last, -1)
+        if pad is None:
+            sinks = sinks.expand(self.sinks)
+        return torch.cat([sinks, ring.masked_fill(ring < 0, -1)], dim=-1)
 
     def advance(self, n: int) -> None:
         """Count n more positions as written; callers check for room, so overflowing is a bug."""
@@ -105,18 +197,6 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
-
-    def keep_last(self, n: int) -> None:
-        """Move the last n written positions to slots 0 .. n-1: what a slot holds does not depend on
-        the slot (RoPE rotates by position, and the caller's pad keeps the positions)."""
-        for t in self.buffers:
-            t[:, :, :n] = t[:, :, self.length - n:self.length].clone()  # (B, heads, n, dim); overlapping
-        self.length = n
-
-    def write_rows(self, rows, start: int, source: "KVCache") -> None:
-        """Copy `source`'s written positions into batch rows `rows` (one per source row), from `start`."""
-        for t, s in zip(self.buffers, source.buffers):
-            t[rows, :, start:start + source.length] = s[:, :, :source.length]
 
     @property
     def buffers(self) -> list[torch.Tensor]:
@@ -131,5 +211,5 @@ class KVCache:
     @property
     def bytes_per_token(self) -> int:
         """Bytes one position of one sequence takes across all slots, scales included
-        (GPTConfig.kv_cache_formula)."""
+        (GPTConfig.kv_cache_formula); with rings shorter than max_len, the average over max_len."""
         return self.nbytes // (self.batch_size * self.max_len)

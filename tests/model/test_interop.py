@@ -3,9 +3,11 @@ tokens; finetuning from a Hugging Face directory."""
 
 import pytest
 import torch
+import torch.nn as nn
 
 from model import GPT, checkpoint, generate
-from tests.helpers import compose, hf_gpt2, run_in_process, tiny_model, train_checked
+from model.attention import CausalSelfAttention, rope_angles
+from tests.helpers import compose, hf_gpt2, run_in_process, tiny_config, tiny_model, train_checked
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,14 +83,15 @@ def test_a_damaged_hugging_face_directory_is_a_value_error_naming_the_file(tmp_p
 
 def hf_model(model):
     """transformers' Llama holding `model`'s weights; with a sliding window its Mistral, with
-    multi-head latent attention its DeepseekV3 (model.convert's mappings)."""
+    multi-head latent attention its DeepseekV3 (model.convert's mappings), with QK-norm its Qwen3
+    (qwen3_weights, below)."""
     from model import convert
 
     c = model.config
-    family = "Llama" if c.attn_window is None and c.mla_latent_dim is None else \
-        "Mistral" if c.mla_latent_dim is None else "DeepseekV3"
-    config, state = getattr(convert, {"Llama": "llama_weights", "Mistral": "mistral_weights",
-                                      "DeepseekV3": "deepseek_v3_weights"}[family])(model)
+    family = "Qwen3" if c.qk_norm else "DeepseekV3" if c.mla_latent_dim is not None else \
+        "Llama" if c.attn_window is None else "Mistral"
+    config, state = {"Llama": convert.llama_weights, "Mistral": convert.mistral_weights,
+                     "DeepseekV3": convert.deepseek_v3_weights, "Qwen3": qwen3_weights}[family](model)
     hf = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(**config))
     hf.eval().load_state_dict(state)
     return hf
@@ -135,3 +138,96 @@ def test_llama_export_names_what_a_llama_cannot_hold():
         deepseek_v3_weights(tiny_model(**llama_like))
     with pytest.raises(ValueError, match="a DeepseekV3 needs model.norm_eps=1e-06"):
         deepseek_v3_weights(tiny_model(mla_latent_dim=8, mla_rope_dim=2, **llama_like))
+
+
+# Per-layer windows (window_pattern) and gpt-oss's learned sinks (attn_sink_logit), each against the
+# transformers model that has them: Qwen3's layer_types, GptOss's attention.
+
+def qwen3_weights(model) -> tuple[dict, dict]:
+    """(Qwen3Config keyword arguments, Qwen3ForCausalLM state dict): model.convert's Llama layout
+    plus each head's query and key RMSNorm (Qwen3's q_norm and k_norm, like ours before RoPE), each
+    layer's window (config.layer_window) as its layer_types, and no end-of-text token (its generate
+    then never stops early nor bans token 0)."""
+    from model.convert import llama_layout
+
+    c = model.config
+    config, state = llama_layout(model, "Qwen3", {"qk_norm": True, "mla_latent_dim": None,
+                                                  "window_pattern": c.window_pattern})
+    config |= {"layer_types": ["full_attention" if c.layer_window(i) is None else "sliding_attention"
+                               for i in range(c.n_layer)],
+               "use_sliding_window": c.attn_window is not None, "sliding_window": c.attn_window,
+               "eos_token_id": None}
+    for i, block in enumerate(model.blocks):
+        layer = f"model.layers.{i}.self_attn."
+        state |= {layer + "q_norm.weight": block.attn.q_norm.weight.detach().clone(),
+                  layer + "k_norm.weight": block.attn.k_norm.weight.detach().clone()}
+    return config, state
+
+
+@pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no_cache"])
+@pytest.mark.parametrize("window_pattern, layer_types", [
+    ("SL", ["sliding_attention", "full_attention"] * 2),
+    ("SSSL", ["sliding_attention"] * 3 + ["full_attention"]),
+])
+def test_per_layer_windows_with_qk_norm_match_transformers_qwen3(window_pattern, layer_types, kv_cache):
+    """transformers' Qwen3 (its layer_types, per-head q_norm/k_norm): logits within 1e-5 over 20
+    tokens with a window of 4, and its greedy tokens up to block_size (24)."""
+    ours = tiny_model(**LLAMA_LIKE, n_layer=4, n_kv_head=2, qk_norm=True, attn_window=4,
+                      window_pattern=window_pattern)
+    for block in ours.blocks:  # norms that are not all ones, so a norm left out or swapped shows
+        nn.init.normal_(block.attn.q_norm.weight, 1.0, 0.3)
+        nn.init.normal_(block.attn.k_norm.weight, 1.0, 0.3)
+    hf = hf_model(ours)
+    assert hf.config.layer_types == layer_types and hf.config.sliding_window == 4
+    idx = torch.randint(0, 65, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx), hf(idx).logits, atol=1e-5, rtol=0)
+    expected = hf.generate(idx[:, :5], max_new_tokens=19, do_sample=False)
+    assert torch.equal(generate(ours, idx[:, :5], 19, temperature=0, kv_cache=kv_cache), expected)
+
+
+def hf_gpt_oss_attention(attn, config, window):
+    """transformers' GptOssAttention (eager, the sinks in its softmax) holding our attention layer's
+    weights and sinks, sliding over `window` positions (sliding_attention) or, with None, not
+    (full_attention); and the GptOssConfig its rotary embedding and masks are built from."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention
+
+    hf_config = transformers.GptOssConfig(
+        hidden_size=config.n_embd, num_attention_heads=config.n_head, num_key_value_heads=config.n_kv_head,
+        head_dim=config.head_dim, num_hidden_layers=1, attention_bias=config.bias, sliding_window=window,
+        layer_types=["full_attention" if window is None else "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager")
+    hf = GptOssAttention(hf_config, layer_idx=0).eval()
+    kv_dim = config.n_kv_head * config.head_dim
+    q, k, v = attn.qkv.weight.detach().split([config.n_embd, kv_dim, kv_dim])
+    q_bias, k_bias, v_bias = attn.qkv.bias.detach().split([config.n_embd, kv_dim, kv_dim])
+    hf.load_state_dict({"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "q_proj.bias": q_bias,
+                        "k_proj.bias": k_bias, "v_proj.bias": v_bias, "o_proj.weight": attn.proj.weight,
+                        "o_proj.bias": attn.proj.bias, "sinks": attn.sinks})
+    return hf, hf_config
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+@pytest.mark.parametrize("layer_idx, window", [(0, 4), (1, None)], ids=["sliding", "full"])
+def test_learned_sinks_match_transformers_gpt_oss_attention(layer_idx, window, backend):
+    """transformers' GptOssAttention (eager): a learned logit per head in the softmax's denominator,
+    in a sliding layer (window 4) and a full one, outputs within 1e-5 over 12 positions."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    config = tiny_config(pos_emb="rope", n_kv_head=2, attn_window=4, window_pattern="SL",
+                         attn_sink_logit=True, attn_backend=backend)
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config, layer_idx).eval()
+    assert config.layer_window(layer_idx) == window and torch.equal(attn.sinks, torch.zeros(config.n_head))
+    with torch.no_grad():
+        attn.sinks.normal_(0.0, 2.0)  # from nearly nothing to most of the weight, per head
+        attn.qkv.bias.normal_(0.0, 0.1)  # GPT init zeroes the biases, which would then go unchecked
+    hf, hf_config = hf_gpt_oss_attention(attn, config, window)
+    x, positions = torch.randn(2, 12, config.n_embd), torch.arange(12)
+    mask = (create_causal_mask if window is None else create_sliding_window_causal_mask)(
+        config=hf_config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions[None])
+    with torch.no_grad():
+        expected, _ = hf(x, GptOssRotaryEmbedding(hf_config)(x, positions[None]), mask)
+        out, _ = attn(x, rope=rope_angles(positions, config.head_dim))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
