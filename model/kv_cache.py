@@ -140,7 +140,7 @@ class KVCache:
         """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `pad`) in the
         ring's first slots, whichever columns they are written at: a fixed-shape `where` per sink."""
         rows = torch.arange(x.size(0), device=x.device)
-        row_pos = input_pos - (0 if pad is None else pad[:, None])             # (B, T)
+        row_pos = (input_pos - (0 if pad is None else pad[:, None])).expand(x.size(0), -1)  # (B, T)
         for s in range(self.sinks):
             at = row_pos == s                                                  # (B, T): at most one per row
             t, written = at.int().argmax(dim=1), at.any(dim=1)[:, None, None]  # (B,), (B, 1, 1)

@@ -126,3 +126,39 @@ def test_a_window_sees_the_last_window_keys_up_to_each_query(backend, T, S, wind
     if backend == "naive":
         _, weights = attend(q, k, v, window=window, backend=backend, return_weights=True)
         assert torch.equal(weights[0, 0] > 0, allowed)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+def test_sinks_stay_visible_beside_the_window(backend):
+    """StreamingLLM: query i sees keys j <= i that are in its window (i - window < j) or among the
+    first `sinks` positions, bottom-right aligned like the causal mask."""
+    T, S, window, sinks = 5, 12, 3, 2
+    i, j = torch.arange(S - T, S)[:, None], torch.arange(S)
+    allowed = (j <= i) & ((j > i - window) | (j < sinks))               # (T, S)
+    assert torch.equal(causal_mask(T, S, window=window, sinks=sinks), allowed)
+    q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
+    want = attend(q, k, v, is_causal=False, attn_mask=allowed, backend="naive")
+    torch.testing.assert_close(attend(q, k, v, window=window, sinks=sinks, backend=backend), want,
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "naive"])
+def test_a_learned_sink_logit_is_a_key_of_zero_value_in_every_softmax(backend):
+    """gpt-oss: softmax over [scores, sink], the sink's share dropped: the weights sum to
+    1 / (1 + exp(sink - logsumexp(scores))) < 1; a very negative sink is plain attention; the
+    logit learns (its gradient reaches it)."""
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    sink = torch.tensor([0.0, 1.0, -2.0, 3.0], requires_grad=True)
+    out = attend(q, k, v, sink_logit=sink, backend=backend)
+    out.sum().backward()
+    assert sink.grad is not None and sink.grad.abs().min() > 0
+    _, weights = attend(q, k, v, sink_logit=sink.detach(), backend="naive", return_weights=True)
+    scores = (q.view(2, 2, 2, 6, 8) @ k.unsqueeze(2).transpose(-2, -1) / 8 ** 0.5).view(2, 4, 6, 6)
+    scores = scores.masked_fill(~causal_mask(6, 6), float("-inf"))
+    kept = torch.sigmoid(scores.logsumexp(-1) - sink.detach()[:, None])  # (2, 4, 6)
+    torch.testing.assert_close(weights.sum(-1), kept, atol=1e-6, rtol=0)
+    torch.testing.assert_close(out.detach(), attend(q, k, v, backend="naive") * kept[..., None] / 1,
+                               atol=1e-5, rtol=0)
+    none = torch.full((4,), -1e4)
+    torch.testing.assert_close(attend(q, k, v, sink_logit=none, backend=backend), attend(q, k, v), atol=1e-6,
+                               rtol=0)

@@ -407,3 +407,100 @@ def test_split_loss_checks_its_arguments_and_batches_as_asked():
                          ({"kv_dtype": torch.int32}, "kv_dtype must be one of")]:
         with pytest.raises(ValueError, match=message):
             split_loss(model, **({"tokens": tokens} | bad))
+
+
+# Every cache kind, as tiny_model overrides with RoPE. The endless ones have a window in every layer
+# (their reference is the whole sequence, however long); a layer over the whole context refills its
+# cache past block_size, where the reference slides instead, so those are compared within it.
+ENDLESS = {
+    "window": {"attn_window": 6},
+    "window, sinks": {"attn_window": 6, "attn_sinks": 2},
+    "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
+                                      "attn_sink_logit": True},
+    "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
+    "shared window, sinks": ATTENTION["gqa_cla2_3_layers"] | {"attn_window": 6, "attn_sinks": 2},
+}
+BOUNDED = {
+    "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
+    "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
+    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
+                                        "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
+}
+PREFILL = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1},
+           "prefix not shared": {"share_prefix": False}}
+
+
+def cache_kind_model(overrides):
+    model = tiny_model(pos_emb="rope", **overrides)
+    for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
+        if block.attn.sinks is not None:
+            block.attn.sinks.data.normal_(0, 2)
+    return model
+
+
+def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):
+    torch.manual_seed(1)
+    prefix = torch.randint(0, 37, (shared,))
+    return [torch.cat([prefix, torch.randint(0, 37, (n - shared,))]) for n in lengths]
+
+
+@pytest.mark.parametrize("prefill", PREFILL.values(), ids=PREFILL.keys())
+@pytest.mark.parametrize("kind", [*ENDLESS, *BOUNDED])
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 20}],
+                         ids=["greedy", "seeded"])
+def test_every_cache_kind_and_prefill_gives_the_uncached_tokens(kind, prefill, sampling):
+    """Batched prompts of three lengths sharing a prefix, each way of filling the cache: the tokens
+    the uncached reference gives, 3x past block_size (24) where the design generates past it."""
+    model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
+    prompts = prompts_sharing_a_prefix()
+    n = 3 * 24 if kind in ENDLESS else 24 - 17
+    runs = [generate(model, prompts, n, kv_cache=kv, **sampling, **(prefill if kv else {}),
+                     generator=[torch.Generator().manual_seed(row) for row in range(3)]) for kv in (True, False)]
+    assert [len(t) for t in runs[0]] == [4 + n, 11 + n, 17 + n]
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("kind", ["window, sinks", "gqa window, sinks, sink logit", "local/global"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
+def test_every_prefill_of_a_low_precision_cache_gives_the_same_tokens(kind, dtype):
+    """int8 and bfloat16 caches round what they store, so their reference is themselves: one shot,
+    chunks, one token at a time and a shared prefix all attend to the keys as the cache holds them."""
+    model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
+    prompts = prompts_sharing_a_prefix()
+    n = 3 * 24 if kind in ENDLESS else 24 - 17
+    runs = [generate(model, prompts, n, temperature=0, kv_dtype=dtype, **prefill) for prefill in PREFILL.values()]
+    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+
+
+@pytest.mark.parametrize("kind", ["window, sinks", "local/global", "full"])
+def test_num_samples_of_one_prompt_prefill_it_once(kind):
+    """Eight rows of one prompt: one row is prefilled and copied into the others (the prefill runs
+    one row, not eight), and each row draws what it draws when every row is prefilled."""
+    model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
+    prompt = torch.randint(0, 37, (1, 10)).expand(8, 10)
+    rows_run = []
+    model.register_forward_pre_hook(lambda module, args: rows_run.append(args[0].shape))
+    runs = [generate(model, prompt, 12, kv_cache=kv, share_prefix=share,
+                     generator=[torch.Generator().manual_seed(row) for row in range(8)])
+            for kv, share in ((True, True), (True, False), (False, False))]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+    assert len({tuple(row[10:].tolist()) for row in runs[0]}) > 1    # the rows differ after the prompt
+    assert rows_run[0] == (1, 10) and rows_run[1] == (8, 1)           # the prefill, then the first step
+    assert rows_run[12] == (8, 10)                                    # without sharing: all eight
+
+
+def test_a_sink_model_generates_ten_times_past_block_size_at_constant_cache_bytes():
+    """StreamingLLM: the first attn_sinks positions stay visible beside a ring of the window, so the
+    cache is sinks + window positions however long the sequence; the tokens are the reference's."""
+    model = cache_kind_model({"attn_window": 6, "attn_sinks": 2})
+    cache = model.new_kv_cache(1)
+    assert cache.ring and cache.max_len == 8 and cache.nbytes == model.new_kv_cache(1, 8).nbytes
+    assert model.config.max_positions is None and model.config.receptive_field is None
+    idx = torch.randint(0, 37, (1, 5))
+    runs = [generate(model, idx, 10 * 24, temperature=0, kv_cache=kv) for kv in (True, False)]
+    assert runs[0].shape == (1, 245) and torch.equal(*runs)
+
+
+def test_a_prefill_chunk_is_checked_once():
+    with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
+        generate(tiny_model(), torch.zeros(1, 3, dtype=torch.long), 2, prefill_chunk=0)

@@ -161,6 +161,15 @@ def test_cache_overflow_is_an_error():
     (dict(mla_latent_dim=8, qk_norm=True), "qk_norm"),
     (dict(attn_window=0), "attn_window"),
     (dict(attn_window=25), "attn_window"),  # more than block_size = 24
+    (dict(window_pattern="SL"), "window_pattern"),  # without attn_window
+    (dict(attn_window=4, window_pattern="SX"), "window_pattern"),
+    (dict(attn_window=4, window_pattern="LL"), "window_pattern"),  # no windowed layer
+    (dict(attn_window=4, window_pattern="SLS"), "window_pattern"),  # longer than n_layer = 2
+    (dict(attn_window=4, window_pattern=""), "window_pattern"),
+    (dict(attn_window=4, window_pattern="SL", kv_share=2), "window_pattern"),  # a group of two windows
+    (dict(attn_sinks=2), "attn_sinks"),  # without attn_window
+    (dict(attn_window=4, attn_sinks=-1), "attn_sinks"),
+    (dict(attn_sink_logit=1), "attn_sink_logit"),
 ])
 def test_invalid_config_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=rf"GPTConfig\.{field}\b"):
@@ -172,6 +181,7 @@ def test_invalid_config_names_the_field(overrides, field):
     dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True, tie_embeddings=False, bias=False),
     dict(pos_emb="rope", mla_latent_dim=8, mla_rope_dim=2, n_kv_head=None),
     dict(kv_share=2, n_kv_head=1),
+    dict(pos_emb="rope", attn_window=4, window_pattern="SL", attn_sinks=1, attn_sink_logit=True),
 ])
 def test_tiny_model_overfits_one_batch(arch):
     torch.manual_seed(0)
