@@ -53,6 +53,7 @@ class GenerateConfig:
     seed: int = 1337               # sample j of each prompt draws from seed + j
     kv_cache: bool = True
     kv_dtype: str | None = None    # float32 | bfloat16 | int8 (per-position scales); None: the decode dtype
+    prefill_chunk: int | None = None  # the prompt enters the cache this many tokens at a time; None: at once
     compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
     dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.Precision)
     quantize: str | None = "auto"  # auto | int8 (weight-only int8 Linear layers) | null
@@ -71,6 +72,8 @@ class GenerateConfig:
         check_integer(self.num_samples, "num_samples", 1)
         check_integer(self.seed, "seed", 0)
         check_integer(self.attn_layer, "attn_layer", 0)
+        if self.prefill_chunk is not None:
+            check_integer(self.prefill_chunk, "prefill_chunk", 1)
         # The library's own objects, made (and so checked) once, here: the run hands them on.
         self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         self.precision = Precision(self.dtype, self.quantize)
@@ -162,7 +165,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
                   for i in range(len(prompts))]
     tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
-                    decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype)
+                    decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype,
+                    prefill_chunk=cfg.prefill_chunk)
     texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
     return [p + t for p, t in zip(prompts, texts)]
 

@@ -73,6 +73,8 @@ def test_each_sample_is_what_its_seed_gives_for_its_prompt_alone(tiny_ckpt, tmp_
     batched = run(prompt_file=str(tmp_path / "p.txt"), num_samples=2, seed=3)
     assert batched == [run(prompt=line, seed=3 + j)[0] for line in lines for j in (0, 1)]
     assert batched[0] != batched[1]
+    # The prompts in chunks of 3 tokens: the same samples.
+    assert run(prompt_file=str(tmp_path / "p.txt"), num_samples=2, seed=3, prefill_chunk=3) == batched
 
 
 def test_cli_stop_string(tiny_ckpt):
@@ -102,6 +104,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["prompt="], "the prompt is empty"),
     (["attn_plot=/nonexistent/a.png"], "attn_plot=/nonexistent/a.png: the folder /nonexistent does not"),
     (["top_k=0"], "top_k must be an integer >= 1"),
+    (["prefill_chunk=0"], "prefill_chunk must be an integer >= 1, got 0"),
     (["attn_plot=x.png", "attn_layer=7"], "attn_layer must be in 0..1"),
     (["prompt_file=missing.txt"], "prompt_file not found"),
     (["kv_dtype=int4"], "kv_dtype must be one of float32, bfloat16, int8 (a torch dtype or its name), got"),
