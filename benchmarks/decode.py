@@ -34,6 +34,10 @@ checkpoint is evaluated on its whole val split in each precision.
    SDPA's math kernel, as the CPU's compiled step runs it; here eagerly), tokens/s. Each variant in
    a fresh process that imports the model from `--code` (default: this checkout), so the same
    script measures two checkouts side by side (before and after a change).
+8. Many samples of one prompt (`--sections samples`): num_samples=8 rows of one 200-token prompt,
+   50 new tokens each, on the char model's shape (block 256), every row prefilled (before) and the
+   prompt prefilled once and copied into the rows (after), interleaved rounds, medians: time to the
+   first token and decode tokens/s.
 """
 
 import argparse
@@ -53,7 +57,14 @@ from model import GPT, GPTConfig, Sampling, generate
 from model.checkpoint import latest_run
 from model.convert import llama_weights
 from model.device import Precision
-from model.generation import CompiledDecodeStep, decode_tokens_per_s, for_decoding, load_model, stream
+from model.generation import (
+    CompiledDecodeStep,
+    decode_tokens_per_s,
+    for_decoding,
+    load_model,
+    stream,
+    timed_stream,
+)
 from model.kv_cache import KV_DTYPES
 from training.evaluation import split_loss
 
@@ -292,13 +303,31 @@ def variant_steps(code: str) -> None:
         print(f"| {name} | " + " | ".join(f"{float(v):,.1f}" for v in out) + " |")
 
 
+def many_samples(samples: int = 8, prompt: int = 200, new: int = 50, rounds: int = 5) -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)).eval()
+    idx = torch.randint(0, 65, (1, prompt)).expand(samples, prompt)   # (samples, prompt): one prompt
+    print(f"\n### num_samples={samples} of one {prompt}-token prompt, {new} new tokens each: the 6/6/384 "
+          f"char shape, float32, eager, {torch.get_num_threads()} threads; median of {rounds} interleaved "
+          f"rounds\n")
+    print("| prefill | time to first token, ms | decode tokens/s (all rows) |\n| --- | --- | --- |")
+    times = {share: [] for share in (False, True)}
+    for _ in range(rounds + 1):  # the first round warms up
+        for share in times:
+            times[share].append(timed_stream(model, idx, new, share_prefix=share))
+    for share, runs in times.items():
+        first, rest = (sorted(t[i] for t in runs[1:])[rounds // 2] for i in (0, 1))
+        name = "once, copied into the rows (after)" if share else f"every row, {samples} x (before)"
+        print(f"| {name} | {first * 1e3:,.1f} | {samples * (new - 1) / rest:,.0f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
     p.add_argument("--code", default=str(ROOT), help="the checkout whose model --sections variants runs")
-    sections = ["char", "main", "compile", "threads", "kv", "long", "variants"]
+    sections = ["char", "main", "compile", "threads", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     if args.threads:
@@ -323,6 +352,8 @@ def run(args) -> None:
         long_prompt()
     if "variants" in args.sections:
         variant_steps(args.code)
+    if "samples" in args.sections:
+        many_samples()
 
 
 if __name__ == "__main__":

@@ -397,13 +397,13 @@ class CompiledDecodeStep:
 
 
 def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,
-                 kv_dtype=None, pad=None) -> tuple[float, float]:
+                 kv_dtype=None, pad=None, share_prefix=True) -> tuple[float, float]:
     """(seconds to the first token, seconds for the rest) of one greedy generation of every row
     of idx (B, T), left-padded by `pad` (B,) or not."""
     clock = synchronized_clock(idx.device)
     t0 = clock()
     tokens = stream(model, idx, Sampling(max_new_tokens, temperature=0), kv_cache=kv_cache,
-                    decode_step=decode_step, kv_dtype=kv_dtype, pad=pad)
+                    decode_step=decode_step, kv_dtype=kv_dtype, pad=pad, share_prefix=share_prefix)
     next(tokens)
     t1 = clock()
     for _ in tokens:
