@@ -46,31 +46,22 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     every softmax, whose value is zero. `return_weights` (naive backend) also returns the weights
     (B, n_head, T, S).
     """
+    check_attend_args(q, k, v, backend, return_weights)
     B, n_head, T, d_k = q.shape
     n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
-    if S < T or n_head % n_kv_head or k.shape[-1] != d_k or v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"attend: need S >= T, n_head % n_kv_head == 0, q and k of one width and "
-                         f"v with k's heads and positions; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                         f"v {tuple(v.shape)} (n_head={n_head}, n_kv_head={n_kv_head})")
-    if return_weights and backend != "naive":
-        raise ValueError("attend: return_weights=True needs backend='naive'")
 
-    if backend == "sdpa" and sink_logit is not None:
-        mask = attn_mask
-        if is_causal:
-            causal = causal_mask(T, S, q.device, window, sinks)
-            mask = causal if mask is None else mask & causal
-        k, v, bias = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
-        return attend(q, k, v, is_causal=False, attn_mask=bias, dropout_p=dropout_p, scale=scale)
     if backend == "sdpa":
         # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
-        if is_causal and attn_mask is None and T == S and window is None:
+        if is_causal and attn_mask is None and T == S and window is None and sink_logit is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
                                                   scale=scale, enable_gqa=n_kv_head != n_head)
         mask = attn_mask
         if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
             causal = causal_mask(T, S, q.device, window, sinks)
             mask = causal if mask is None else mask & causal
+        if sink_logit is not None:  # one more key, whose additive mask is the learned logit
+            k, v, mask = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
+            S += 1
         if n_kv_head == n_head:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         # GQA, MQA, absorbed MLA: the n_rep query heads of a K/V head become n_rep x T queries of it,
@@ -104,6 +95,18 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     out = dropped.view(B, n_kv_head, n_rep, T, S) @ v.unsqueeze(2)   # (B, n_kv_head, n_rep, T, d_v)
     out = out.view(B, n_head, T, d_v)                                  # (B, n_head, T, d_v)
     return (out, weights) if return_weights else out
+
+
+def check_attend_args(q, k, v, backend, return_weights) -> None:
+    """attend's shapes (S >= T, n_kv_head dividing n_head, q and k of one width, v with k's heads and
+    positions) and options, or a ValueError saying which."""
+    (n_head, T, d_k), (n_kv_head, S) = q.shape[1:], k.shape[1:3]
+    if S < T or n_head % n_kv_head or k.shape[-1] != d_k or v.shape[1:3] != k.shape[1:3]:
+        raise ValueError(f"attend: need S >= T, n_head % n_kv_head == 0, q and k of one width and "
+                         f"v with k's heads and positions; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)} (n_head={n_head}, n_kv_head={n_kv_head})")
+    if return_weights and backend != "naive":
+        raise ValueError("attend: return_weights=True needs backend='naive'")
 
 
 def with_sink_key(k, v, mask, sink_logit, shape, dtype):
