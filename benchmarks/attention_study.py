@@ -1,7 +1,8 @@
 """The attention study in one command: MHA, GQA, MQA, MLA and MQA with cross-layer sharing, each
-also through an int8 KV cache, and with a sliding window.
+also through an int8 KV cache, with a sliding window, with local and global layers, and with
+attention sinks; and the loss at each position of sequences longer than the block.
 
-    python benchmarks/attention_study.py                            # CPU default, ~16 minutes on 2 cores
+    python benchmarks/attention_study.py                            # CPU default, ~20 minutes on 2 cores
     python benchmarks/attention_study.py experiment=shakespeare_char # the GPU preset
 
 Trains each attention variant with everything else identical (data, steps, batch, width, and the
@@ -10,15 +11,25 @@ run is scored by its loss over the whole val split (every token predicted once),
 reports mean ± std over seeds. A difference between two variants counts as larger than the seed
 noise when their mean ± std ranges do not overlap (|difference| > std_a + std_b). Then it
 measures KV-cache bytes per token, parameters, training tokens/s, and cached decode tokens/s at
-several batch sizes at a long context (`study.decode_context`). Writes study.md, study.json and
-three PNG plots into the study's run dir (Hydra's output dir).
+several batch sizes at a long context (`study.decode_context`). Writes study.md, study.json,
+loss_by_position.json and four PNG plots into the study's run dir (Hydra's output dir).
 
-Two more ways to shrink the cache get rows of their own. Each trained model of `study.int8_cache`
+More ways to shrink the cache get rows of their own. Each trained model of `study.int8_cache`
 is scored again through an int8 cache, with no retraining: its whole-val-split loss teacher-forced
 through the cache, against the float32 cache on the same weights. Each variant of `study.window`
 is trained again with a sliding window (`model.attn_window`, a quarter of block_size unless
-`study.window_size`), whose cache holds only the window. So that every row is on one scale, the
-Pareto plot's x-axis is KV bytes per sequence at block_size.
+`study.window_size`), whose cache holds only the window; each of `study.local_global` with that
+window on the layers `study.window_pattern` marks S and the whole context on those it marks L
+(Gemma, gpt-oss); each of `study.sinks` with the window and `study.sink_count` attention sinks, the
+first positions, which every windowed layer keeps seeing (StreamingLLM). So that every row is on
+one scale, the Pareto plot's x-axis is KV bytes per sequence at block_size (a ring counts as its
+slots).
+
+Loss by position (`study.position_blocks`): each windowed model and its full-attention row, scored
+at every position of val sequences position_blocks x block_size long (a model with a position limit,
+learned positions or a global layer, up to block_size), shows what a window forgets and what sinks
+keep. So does the StreamingLLM experiment: each `study.sinks` variant's full-attention weights, run
+with the window at inference, with and without the sinks.
 
 MHA -> GQA/MQA conversion (mean-pooling K/V heads) is measured too: each seed's MHA model is
 converted to `study.uptrain_to` and uptrained for `study.uptrain_iters` steps. There is no
@@ -38,6 +49,7 @@ from statistics import mean, stdev
 
 import hydra
 import torch
+import torch.nn.functional as F
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
@@ -79,12 +91,19 @@ class StudyConfig:
     int8_cache: list[str] = field(default_factory=lambda: ["mha", "gqa", "mqa", "mla"])  # those trained
     window: list[str] = field(default_factory=lambda: ["mha"])  # also trained with a sliding window
     window_size: int | None = None  # model.attn_window of those; None: a quarter of block_size
+    local_global: list[str] = field(default_factory=lambda: ["mha"])  # also trained with window_pattern
+    window_pattern: str = "SL"  # of those: per layer S (the window) or L (the whole context), tiled
+    sinks: list[str] = field(default_factory=lambda: ["mha"])  # also trained windowed with sinks
+    sink_count: int = 4  # model.attn_sinks of those
+    position_blocks: int = 4  # loss by position over val sequences this many blocks long; 0: none
+    position_bucket: int = 8  # positions averaged into one point of that curve
 
     def __post_init__(self):
         check_integer_fields(self, "study.")
         options = sorted(p.stem for p in (CONFIGS / "attention").glob("*.yaml"))
         for name, values in (("variants", self.variants), ("uptrain_to", [self.uptrain_to]),
-                             ("int8_cache", self.int8_cache), ("window", self.window)):
+                             ("int8_cache", self.int8_cache), ("window", self.window),
+                             ("local_global", self.local_global), ("sinks", self.sinks)):
             if unknown := [v for v in values if v not in options]:
                 raise ValueError(f"study.{name}: {', '.join(unknown)} is not an option of the attention "
                                  f"group ({', '.join(options)})")
@@ -92,6 +111,16 @@ class StudyConfig:
             raise ValueError("study.variants is empty: name at least one attention option")
         if self.window_size is not None and self.window_size < 1:
             raise ValueError(f"study.window_size must be >= 1 or null, got {self.window_size}")
+        if not isinstance(self.window_pattern, str) or set(self.window_pattern) != {"S", "L"}:
+            raise ValueError(f"study.window_pattern must be letters S (a layer within the window) and L "
+                             f"(a layer over the whole context), both, e.g. SL or SSSL; got "
+                             f"{self.window_pattern!r}")
+        for name in ("sink_count", "position_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"study.{name} must be >= 1, got {getattr(self, name)}")
+        if self.position_blocks < 0:
+            raise ValueError(f"study.position_blocks must be >= 0 (0: no loss by position), "
+                             f"got {self.position_blocks}")
         target = attention_option(self.uptrain_to)
         if target["mla_latent_dim"] is not None or target["kv_share"] != 1:
             raise ValueError(f"study.uptrain_to={self.uptrain_to}: mean-pooling converts MHA to fewer "
@@ -111,16 +140,31 @@ class StudyConfig:
 ConfigStore.instance().store(name="study_schema", package="study", node=StudyConfig)
 
 
-def variant_config(cfg: DictConfig, variant: str, seed: int, windowed: bool = False) -> DictConfig:
+def variant_config(cfg: DictConfig, variant: str, seed: int, model_fields: dict | None = None) -> DictConfig:
     """cfg with the attention group's option `variant` applied, as `attention=<variant>` would,
-    the seed set, and the whole-val-split loss on; `windowed`: with the study's sliding window."""
+    the seed set, and the whole-val-split loss on; `model_fields` (a window, ...) set over them."""
     out = cfg.copy()
-    out.model = OmegaConf.merge(out.model, attention_option(variant))
-    if windowed:
-        out.model.attn_window = cfg.study.window_size or max(1, cfg.model.block_size // 4)
+    out.model = OmegaConf.merge(out.model, attention_option(variant), model_fields or {})
     out.train.seed = seed
     out.train.full_val = True
     return out
+
+
+def window_size(cfg: DictConfig) -> int:
+    """The study's sliding window: study.window_size, or a quarter of block_size."""
+    return cfg.study.window_size or max(1, cfg.model.block_size // 4)
+
+
+def windowed_rows(cfg: DictConfig, study) -> list[tuple[str, str, str, dict]]:
+    """(row name, its directory, its variant, the model fields it sets) of every row trained with
+    the window: alone (study.window), on the S layers of study.window_pattern (study.local_global),
+    with study.sink_count sinks (study.sinks)."""
+    w, pattern, n = window_size(cfg), study.window_pattern, study.sink_count
+    return ([(f"{v}, window {w}", f"{v}_window", v, {"attn_window": w}) for v in study.window]
+            + [(f"{v}, window {w} / global ({pattern})", f"{v}_window_global", v,
+                {"attn_window": w, "window_pattern": pattern}) for v in study.local_global]
+            + [(f"{v}, window {w} + {n} sinks", f"{v}_window_sinks", v, {"attn_window": w, "attn_sinks": n})
+               for v in study.sinks])
 
 
 def uptrain_config(cfg: DictConfig, seed: int, converted: Path | None = None) -> DictConfig:
@@ -177,6 +221,7 @@ def summarize(runs: list[dict], run_dir: Path, device, study, kv_dtype=None) -> 
     return {
         "n_kv_head": config.n_kv_head, "mla_latent_dim": config.mla_latent_dim,
         "mla_rope_dim": config.mla_rope_dim, "kv_share": config.kv_share, "attn_window": config.attn_window,
+        "window_pattern": config.window_pattern, "attn_sinks": config.attn_sinks,
         "kv_dtype": str(cache.dtype).removeprefix("torch."), "params": model.num_params(),
         "kv_formula": config.kv_cache_formula() + (" (int8) + a scale per head" if cache.quantized else ""),
         "kv_bytes_per_token": cache.bytes_per_token,
@@ -231,8 +276,9 @@ def write_table(rows: dict, path: Path, study) -> str:
              for a, b in combinations(names, 2) if beyond_noise(rows[a], rows[b])]
     text = "\n".join(lines) + (
         f"\n\nDecode: cached one-token steps at context {study.decode_context}, float32 weights, eager, "
-        f"the cache in its row's dtype (float32 unless int8). KV bytes per sequence: one sequence of "
-        f"block_size positions (a window model holds its window). "
+        f"the cache in its row's dtype (float32 unless int8). KV bytes per token: what one cached "
+        f"position holds (with local and global layers, the average over block_size). KV bytes per "
+        f"sequence: one sequence of block_size positions (a windowed layer holds its window and sinks). "
         f"A difference is beyond seed noise when the mean ± std ranges do not overlap.\n\n"
         f"Pairs whose val loss differs by more than the seed noise:\n"
         + ("\n".join(pairs) if pairs else "- none") + "\n"
@@ -293,7 +339,137 @@ def plot(rows: dict, out_dir: Path, study) -> None:
     save_figure(fig, out_dir / "decode_by_batch.png")
 
 
-ATTENTION_FIELDS = ("n_kv_head", "mla_latent_dim", "mla_rope_dim", "kv_share", "attn_window")
+POSITION_BATCH = 16  # sequences per forward pass of the loss by position
+
+
+def position_models(cfg: DictConfig, study, out_dir: Path) -> list[tuple[str, Path, dict]]:
+    """(label, row directory, model fields changed at inference) of each model whose loss by position
+    the study measures: every windowed row, the full-attention row of its variant, and each
+    study.sinks variant's full-attention weights run with the window, without and with the sinks
+    (StreamingLLM's experiment); none without a windowed row."""
+    windowed = windowed_rows(cfg, study)
+    if not windowed:
+        return []
+    w, n = window_size(cfg), study.sink_count
+    full = [v for v in dict.fromkeys(v for _, _, v, _ in windowed) if v in study.variants]
+    models = [(v, out_dir / v, {}) for v in full] + [(name, out_dir / d, {}) for name, d, _, _ in windowed]
+    for v in (v for v in study.sinks if v in study.variants):
+        models += [(f"{v} weights, run with window {w}", out_dir / v, {"attn_window": w}),
+                   (f"{v} weights, run with window {w} + {n} sinks", out_dir / v,
+                    {"attn_window": w, "attn_sinks": n})]
+    return models
+
+
+def position_sequences(run, study) -> torch.Tensor:
+    """The val split cut into consecutive sequences of study.position_blocks x block_size tokens and
+    the one each predicts next: (N, length + 1), sequence i starting at token i * length."""
+    length = study.position_blocks * run.model.block_size
+    val = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64"))
+    if len(val) < length + 1:
+        raise ValueError(f"study.position_blocks={study.position_blocks}: a sequence of {length} tokens "
+                         f"needs a val split of {length + 1} tokens or more, this one has {len(val)} "
+                         f"(0: no loss by position)")
+    return val.unfold(0, length + 1, length)                            # (N, length + 1)
+
+
+@torch.no_grad()
+def position_losses(model, sequences: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy at each position t of `sequences` (N, L + 1), predicting token t + 1 from
+    tokens 0 .. t with the uncached forward: (L,), or (block_size,) for a model with a position
+    limit (learned positions, a layer over the whole context)."""
+    device = next(model.parameters()).device
+    n = min(sequences.size(1) - 1, model.config.max_positions or sequences.size(1))
+    total = torch.zeros(n, dtype=torch.float64)
+    for batch in sequences.split(POSITION_BATCH):
+        batch = batch.to(device)
+        logits = model(batch[:, :n])                                     # (b, n, vocab_size)
+        losses = F.cross_entropy(logits.transpose(1, 2).float(), batch[:, 1:n + 1],
+                                 reduction="none")                       # (b, n)
+        total += losses.sum(dim=0).double().cpu()
+    return total / len(sequences)
+
+
+def inference_model(run_dir: Path, device, fields: dict) -> GPT:
+    """A run's last weights (ckpt.pt, those of its score), in a model with `fields` of its config
+    changed (a window given at inference), in eval mode."""
+    model, _ = load_model(run_dir / "ckpt.pt", device, Precision("float32", None))
+    if not fields:
+        return model
+    changed = GPT(dataclasses.replace(model.config, **fields)).to(device)
+    changed.load_state_dict(model.state_dict())
+    return changed.eval()
+
+
+def position_curve(per_seed: list[torch.Tensor], bucket: int, bounds: list[int], trained: bool) -> dict:
+    """The seeds' losses by position (each (n,)) as one curve: mean and std over the seeds of each
+    bucket of `bucket` positions, and of each range between consecutive `bounds` the curve reaches."""
+    def spread(values: list[float]) -> tuple[float, float]:
+        return mean(values), stdev(values) if len(values) > 1 else 0.0
+
+    n = len(per_seed[0])
+    buckets = [spread([c[i:i + bucket].mean().item() for c in per_seed]) for i in range(0, n, bucket)]
+    ranges = {f"{a}-{b - 1}": spread([c[a:b].mean().item() for c in per_seed])
+              for a, b in zip(bounds, bounds[1:]) if b <= n}
+    return {"trained": trained, "positions": n,
+            "bucket_centres": [(i + min(i + bucket, n) - 1) / 2 for i in range(0, n, bucket)],
+            "loss_mean": [m for m, _ in buckets], "loss_std": [s for _, s in buckets], "ranges": ranges}
+
+
+def plot_positions(curves: dict, path: Path, window: int, block_size: int) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, c in curves.items():
+        ax.plot(c["bucket_centres"], c["loss_mean"], label=label, linestyle="-" if c["trained"] else "--")
+    for x, text in ((window, f"window {window}"), (block_size, f"block_size {block_size}")):
+        ax.axvline(x, color="0.6", linestyle=":")
+        ax.annotate(text, (x, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                    textcoords="offset points", fontsize=8, color="0.4")
+    ax.set(xlabel="position in the sequence", ylabel="val loss at that position (mean of seeds)",
+           title="Loss by position (dashed: a window given at inference)")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def position_table(curves: dict, bounds: list[int]) -> list[str]:
+    """The markdown table of each curve's mean ± std over seeds in each range of positions."""
+    spans = [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:])]
+    lines = ["| model | " + " | ".join(f"positions {s}" for s in spans) + " |",
+             "|" + " --- |" * (len(spans) + 1)]
+    for label, c in curves.items():
+        cells = [f"{c['ranges'][s][0]:.4f} ± {c['ranges'][s][1]:.4f}" if s in c["ranges"] else "—"
+                 for s in spans]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def write_positions(cfg: DictConfig, models: list, sequences: torch.Tensor, out_dir: Path, device,
+                    study) -> str:
+    """Measure each model's loss by position on every seed; write loss_by_position.json and .png,
+    append the table of its ranges to study.md, and return that table."""
+    window, block_size, length = window_size(cfg), cfg.model.block_size, sequences.size(1) - 1
+    bounds = sorted({0, window, length} | set(range(block_size, length, block_size)))
+    curves = {}
+    for label, row_dir, fields in models:
+        print(f"=== loss by position: {label} ===", flush=True)
+        per_seed = [position_losses(inference_model(row_dir / f"seed{s}", device, fields), sequences)
+                    for s in study.seeds]
+        curves[label] = position_curve(per_seed, study.position_bucket, bounds, trained=not fields)
+    text = (f"\nLoss by position: the cross-entropy at each position of {len(sequences)} consecutive val "
+            f"sequences of {length} tokens, uncached, averaged over each range of positions; mean ± std "
+            f"over {len(study.seeds)} seeds (—: past the model's block_size). \"weights, run with\": "
+            f"trained with full attention, given the window at inference.\n\n"
+            + "\n".join(position_table(curves, bounds)) + "\n")
+    with open(out_dir / "study.md", "a") as f:
+        f.write(text)
+    (out_dir / "loss_by_position.json").write_text(json.dumps(
+        {"sequences": len(sequences), "length": length, "bucket": study.position_bucket, "curves": curves},
+        indent=1))
+    plot_positions(curves, out_dir / "loss_by_position.png", window, block_size)
+    return text
+
+
+ATTENTION_FIELDS = ("n_kv_head", "mla_latent_dim", "mla_rope_dim", "kv_share", "attn_window",
+                    "window_pattern", "attn_sinks", "attn_sink_logit")
 
 
 def checked_row(row_cfg: DictConfig, variant: str):
@@ -332,9 +508,25 @@ def train_row(label: str, row_dir: Path, options_for_seed, device, study) -> dic
     return summarize(runs, run_dir, device, study)
 
 
+def checked_runs(cfg: DictConfig, study) -> dict:
+    """{(row name, seed): checked options} of every run that trains a row (each variant's, then each
+    windowed row's), the uptraining's checked too: nothing trains before all are."""
+    checked = {(variant, seed): checked_row(variant_config(cfg, variant, seed), variant)
+               for variant in study.variants for seed in study.seeds}
+    with (naming("study.window_pattern", "model.window_pattern"),  # what those rows set, as the study
+          naming("study.sink_count", "model.attn_sinks")):             # names it
+        checked |= {(name, seed): checked_row(variant_config(cfg, variant, seed, fields), variant)
+                    for name, _, variant, fields in windowed_rows(cfg, study) for seed in study.seeds}
+    if study.uptrain_iters and "mha" in study.variants:
+        for seed in study.seeds:
+            check_options(uptrain_config(cfg, seed))
+    return checked
+
+
 def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     """Train every variant once per seed into out_dir/<variant>/seed<seed>, measure them, write
-    study.md, study.json and the plots. Every run's options are checked before the first trains."""
+    study.md, study.json, loss_by_position.json and the plots. Every run's options (and the val
+    split's length for the loss by position) are checked before the first trains."""
     out_dir = Path(out_dir)
     study = config_object(cfg.study, "study.")
     with naming("train.device", "device"):
@@ -342,23 +534,17 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     if cfg.train.resume:
         raise ValueError(f"train.resume={cfg.train.resume}: a study trains every row from scratch, each "
                          f"seed its own run; it resumes none (leave train.resume out)")
-    checked = {(variant, seed): checked_row(variant_config(cfg, variant, seed), variant)
-               for variant in study.variants for seed in study.seeds}
-    windowed = {(variant, seed): checked_row(variant_config(cfg, variant, seed, windowed=True), variant)
-                for variant in study.window for seed in study.seeds}
-    uptrain = study.uptrain_iters and "mha" in study.variants
-    if uptrain:
-        for seed in study.seeds:
-            check_options(uptrain_config(cfg, seed))
+    checked = checked_runs(cfg, study)
+    models = position_models(cfg, study, out_dir) if study.position_blocks else []
+    sequences = position_sequences(next(iter(checked.values())), study) if models else None
     rows = {}
     for variant in study.variants:
         rows[variant] = train_row(f"training {variant}", out_dir / variant,
                                   lambda seed, v=variant: checked[v, seed], device, study)
-    for variant in study.window:
-        name = f"{variant}, window {windowed[variant, study.seeds[0]].model.attn_window}"
-        rows[name] = train_row(f"training {name}", out_dir / f"{variant}_window",
-                               lambda seed, v=variant: windowed[v, seed], device, study)
-    if uptrain:
+    for name, directory, _, _ in windowed_rows(cfg, study):
+        rows[name] = train_row(f"training {name}", out_dir / directory,
+                               lambda seed, n=name: checked[n, seed], device, study)
+    if study.uptrain_iters and "mha" in study.variants:
         name = f"{study.uptrain_to} uptrained from mha ({study.uptrain_iters} steps)"
         rows[name] = train_row(name, out_dir / "uptrained", partial(uptrained, cfg, out_dir), device, study)
     for variant in (v for v in study.int8_cache if v in study.variants):
@@ -370,8 +556,10 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
     table = write_table(rows, out_dir / "study.md", study)
     (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out_dir, study)
+    if models:
+        table += write_positions(cfg, models, sequences, out_dir, device, study)
     print(table + f"\nwritten to {out_dir}: study.md, study.json, val_loss.png, val_vs_kv_bytes.png, "
-          f"decode_by_batch.png")
+          f"decode_by_batch.png" + (", loss_by_position.json, loss_by_position.png" if models else ""))
     return rows
 
 

@@ -25,6 +25,40 @@ from model.generation import (
 from tests.helpers import ATTENTION, VARIANTS, tiny_model
 from training.evaluation import split_loss
 
+# Every cache kind, as tiny_model overrides with RoPE. The endless ones have a window in every layer
+# (their reference is the whole sequence, however long); a layer over the whole context refills its
+# cache past block_size, where the reference slides instead, so those are compared within it.
+ENDLESS = {
+    "window": {"attn_window": 6},
+    "window, sinks": {"attn_window": 6, "attn_sinks": 2},
+    "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
+                                      "attn_sink_logit": True},
+    "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
+    "shared window, sinks": ATTENTION["gqa_cla2_3_layers"] | {"attn_window": 6, "attn_sinks": 2},
+}
+BOUNDED = {
+    "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
+    "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
+    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
+                                        "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
+}
+PREFILL = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1},
+           "prefix not shared": {"share_prefix": False}}
+
+
+def cache_kind_model(overrides):
+    model = tiny_model(pos_emb="rope", **overrides)
+    for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
+        if block.attn.sinks is not None:
+            block.attn.sinks.data.normal_(0, 2)
+    return model
+
+
+def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):
+    torch.manual_seed(1)
+    prefix = torch.randint(0, 37, (shared,))
+    return [torch.cat([prefix, torch.randint(0, 37, (n - shared,))]) for n in lengths]
+
 
 @pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
 @pytest.mark.parametrize("pos_emb", ["learned", "rope"])
@@ -224,8 +258,9 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
             assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], (call, prompts, new)
         # Another step (another model and cache) is a graph of its own, not a recompile of this one:
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
-        # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
-        window = tiny_model(pos_emb="rope", attn_window=6)
+        # This one decodes a sliding window with sinks and learned sink logits through an int8 ring,
+        # 3x past block_size (24).
+        window = cache_kind_model(ENDLESS["gqa window, sinks, sink logit"])
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8)
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0],
                            generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0])
@@ -247,7 +282,8 @@ def test_the_compiled_steps_backends_are_a_list_on_every_device():
 
 DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], "mla": ATTENTION["mla"],
                    "mqa_cla2": ATTENTION["mqa_cla2"], "gqa window": {"n_kv_head": 2, "attn_window": 4},
-                   "gqa int8 cache": ATTENTION["gqa"]}
+                   "gqa int8 cache": ATTENTION["gqa"],
+                   "local/global, sinks, sink logit": BOUNDED["local/global, sinks, sink logit"]}
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
@@ -256,7 +292,7 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
     K/V head's query heads folded into its queries, under the step's backend list) against the
     naive backend (scores broadcast over each group, no SDPA) reading the same cache: float32
     logits within 1e-6 at every step, ring wraps included, and the same greedy tokens."""
-    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant])
+    model = cache_kind_model(DECODE_VARIANTS[variant])
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).eval()
     naive.load_state_dict(model.state_dict())
     cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
@@ -409,41 +445,6 @@ def test_split_loss_checks_its_arguments_and_batches_as_asked():
             split_loss(model, **({"tokens": tokens} | bad))
 
 
-# Every cache kind, as tiny_model overrides with RoPE. The endless ones have a window in every layer
-# (their reference is the whole sequence, however long); a layer over the whole context refills its
-# cache past block_size, where the reference slides instead, so those are compared within it.
-ENDLESS = {
-    "window": {"attn_window": 6},
-    "window, sinks": {"attn_window": 6, "attn_sinks": 2},
-    "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
-                                      "attn_sink_logit": True},
-    "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
-    "shared window, sinks": ATTENTION["gqa_cla2_3_layers"] | {"attn_window": 6, "attn_sinks": 2},
-}
-BOUNDED = {
-    "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
-    "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
-    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
-                                        "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
-}
-PREFILL = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1},
-           "prefix not shared": {"share_prefix": False}}
-
-
-def cache_kind_model(overrides):
-    model = tiny_model(pos_emb="rope", **overrides)
-    for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
-        if block.attn.sinks is not None:
-            block.attn.sinks.data.normal_(0, 2)
-    return model
-
-
-def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):
-    torch.manual_seed(1)
-    prefix = torch.randint(0, 37, (shared,))
-    return [torch.cat([prefix, torch.randint(0, 37, (n - shared,))]) for n in lengths]
-
-
 @pytest.mark.parametrize("prefill", PREFILL.values(), ids=PREFILL.keys())
 @pytest.mark.parametrize("kind", [*ENDLESS, *BOUNDED])
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "top_k": 20}],
@@ -455,7 +456,8 @@ def test_every_cache_kind_and_prefill_gives_the_uncached_tokens(kind, prefill, s
     prompts = prompts_sharing_a_prefix()
     n = 3 * 24 if kind in ENDLESS else 24 - 17
     runs = [generate(model, prompts, n, kv_cache=kv, **sampling, **(prefill if kv else {}),
-                     generator=[torch.Generator().manual_seed(row) for row in range(3)]) for kv in (True, False)]
+                     generator=[torch.Generator().manual_seed(row) for row in range(3)])
+            for kv in (True, False)]
     assert [len(t) for t in runs[0]] == [4 + n, 11 + n, 17 + n]
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
@@ -468,7 +470,8 @@ def test_every_prefill_of_a_low_precision_cache_gives_the_same_tokens(kind, dtyp
     model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
     prompts = prompts_sharing_a_prefix()
     n = 3 * 24 if kind in ENDLESS else 24 - 17
-    runs = [generate(model, prompts, n, temperature=0, kv_dtype=dtype, **prefill) for prefill in PREFILL.values()]
+    runs = [generate(model, prompts, n, temperature=0, kv_dtype=dtype, **prefill)
+            for prefill in PREFILL.values()]
     assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
 
 
