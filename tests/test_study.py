@@ -1,35 +1,40 @@
 """benchmarks/attention_study.py: the whole study on a tiny preset, and its noise rule."""
 
+import json
 import math
 
 import pytest
 
-from benchmarks.attention_study import beyond_noise, pareto_front, run_study
+from benchmarks.attention_study import StudyConfig, beyond_noise, pareto_front, run_study
 from data.prepare import TINYSHAKESPEARE_PATH
 from tests.helpers import compose
 
 
 def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
-    """On the first 40,000 characters of TinyShakespeare: each of the 13 runs ends with a loss
-    over the whole val split, which for all of it would take most of the test's time."""
+    """On the first 40,000 characters of TinyShakespeare, with RoPE as the CPU study: each of the 17
+    runs ends with a loss over the whole val split, which for all of it would take most of the
+    test's time; then the loss by position over val sequences of 4 blocks."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TINYSHAKESPEARE_PATH.read_text()[:40_000])
     overrides = [o for o in tiny_run if not o.startswith("experiment=")]
     cfg = compose(*overrides, "experiment=shakespeare_char_cpu", "data=text_files", f"data.path={corpus}",
-                  "train.max_iters=4", "train.eval_interval=2", "study.uptrain_iters=2", "study.seeds=[0,1]",
-                  "study.decode_context=32", "study.decode_batch_sizes=[1,4]", config_name="study")
+                  "model.pos_emb=rope", "train.max_iters=4", "train.eval_interval=2", "study.uptrain_iters=2",
+                  "study.seeds=[0,1]", "study.decode_context=32", "study.decode_batch_sizes=[1,4]",
+                  config_name="study")
     assert cfg.data.path == str(corpus)
     out = tmp_path / "study"
     rows = run_study(cfg, out)
     uptrained = "gqa uptrained from mha (2 steps)"
-    assert list(rows) == ["mha", "gqa", "mqa", "mla", "mqa_cla2", "mha, window 8", uptrained,
+    windowed = ["mha, window 8", "mha, window 8 / global (SL)", "mha, window 8 + 4 sinks"]
+    assert list(rows) == ["mha", "gqa", "mqa", "mla", "mqa_cla2", *windowed, uptrained,
                           "mha, int8 cache", "gqa, int8 cache", "mqa, int8 cache", "mla, int8 cache"]
-    for name in ("study.md", "study.json", "val_loss.png", "val_vs_kv_bytes.png", "decode_by_batch.png"):
+    for name in ("study.md", "study.json", "val_loss.png", "val_vs_kv_bytes.png", "decode_by_batch.png",
+                 "loss_by_position.json", "loss_by_position.png"):
         assert (out / name).stat().st_size > 0, name
-    for variant in ("mha", "mla"):
+    for variant in ("mha", "mla", "mha_window_global", "mha_window_sinks"):
         assert all((out / variant / f"seed{s}" / "best.pt").is_file() for s in (0, 1))
-    table = (out / "study.md").read_text()
-    assert table.count("\n| ") == 12
+    table, positions = (out / "study.md").read_text().split("\nLoss by position")
+    assert table.count("\n| ") == 14
     assert "| gqa | 2 layers x 2 (K, V) x 2 kv heads x 4 | 128 | 4,096 |" in table
     # KV bytes per token (tiny: 2 layers, 4 heads of 4, fp32): MHA 2·2·4·4·4; GQA half; MQA a
     # quarter; MQA + CLA2 an eighth; MLA 2 layers x (64 latent + 16 rope) x 4 bytes.
@@ -38,9 +43,13 @@ def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
     assert kv["mla"] == 2 * (64 + 16) * 4
     # int8: a byte per number, and a float32 scale per position of each K and V head (MLA: per layer).
     assert kv["mha, int8 cache"] == 256 // 4 + 2 * 2 * 4 * 4 and kv["mla, int8 cache"] == 2 * (80 + 4)
-    # Per sequence of block_size (32) positions; the window model's cache holds its 8.
+    # Per sequence of block_size (32) positions: the window model's cache holds its 8; with SL, layer
+    # 0 its 8 and layer 1 all 32 (128 bytes a layer per position); with sinks, 8 + 4 in both layers.
     assert rows["mha"]["kv_bytes_per_sequence"] == 256 * 32
     assert rows["mha, window 8"]["kv_bytes_per_sequence"] == 256 * 8
+    assert rows["mha, window 8 / global (SL)"]["kv_bytes_per_sequence"] == 128 * (8 + 32)
+    assert rows["mha, window 8 + 4 sinks"]["kv_bytes_per_sequence"] == 256 * (8 + 4)
+    assert (rows[windowed[1]]["window_pattern"], rows[windowed[2]]["attn_sinks"]) == ("SL", 4)
     for variant in ("mha", "gqa", "mqa", "mla"):  # no retraining: the same runs, within 0.01 of float32
         r = rows[f"{variant}, int8 cache"]
         assert r["float32_cache_losses"] == pytest.approx(rows[variant]["val_losses"], abs=1e-4)
@@ -55,6 +64,30 @@ def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
         assert [step for step, _ in r["val_curve"]] == ([0, 2, 4] if r is not rows[uptrained] else [0, 1, 2])
     # Same seed, same data: two seeds of one variant differ, one seed run twice would not.
     assert rows["mha"]["val_losses"][0] != rows["mha"]["val_losses"][1]
+    check_loss_by_position(json.loads((out / "loss_by_position.json").read_text()), positions)
+
+
+def check_loss_by_position(result: dict, table: str):
+    """Sequences of 4 blocks (128) from a val split of ~4,000 tokens; buckets of 8 positions. A model
+    with a global layer stops at block_size (32); the windowed ones go the whole way. Within the first
+    window (bucket 0) a window given at inference changes nothing: the same weights, the same keys."""
+    assert (result["length"], result["bucket"]) == (128, 8) and 25 <= result["sequences"] <= 35
+    curves = result["curves"]
+    streaming = ["mha weights, run with window 8", "mha weights, run with window 8 + 4 sinks"]
+    assert list(curves) == ["mha", "mha, window 8", "mha, window 8 / global (SL)", "mha, window 8 + 4 sinks",
+                            *streaming]
+    for label, c in curves.items():
+        endless = label in ("mha, window 8", "mha, window 8 + 4 sinks", *streaming)
+        assert c["positions"] == (128 if endless else 32) and c["trained"] == (label not in streaming)
+        assert len(c["loss_mean"]) == len(c["loss_std"]) == len(c["bucket_centres"]) == c["positions"] // 8
+        means = c["loss_mean"] + [m for m, _ in c["ranges"].values()]
+        assert all(math.isfinite(x) and 0 < x < 10 for x in means)
+        assert list(c["ranges"]) == ["0-7", "8-31", "32-63", "64-95", "96-127"][:5 if endless else 2]
+        assert f"| {label} | " in table
+    for label in streaming:
+        assert curves[label]["loss_mean"][0] == pytest.approx(curves["mha"]["loss_mean"][0], abs=1e-5)
+        assert curves[label]["loss_mean"][1] != pytest.approx(curves["mha"]["loss_mean"][1], abs=1e-6)
+    assert table.count("| — | — | — |") == 2  # the full and the local/global models, past block_size
 
 
 def test_every_variant_is_checked_before_the_first_trains(tiny_run, tmp_path):
@@ -98,4 +131,33 @@ def test_every_row_is_the_variant_it_names_or_the_study_is_refused(overrides, me
     cfg = compose(*tiny_run, f"train.resume={tiny_ckpt}", "study.variants=[mha]", config_name="study")
     with pytest.raises(ValueError, match="a study trains every row from scratch, each seed its own run"):
         run_study(cfg, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"local_global": ["alibi"]}, "study.local_global: alibi is not an option of the attention group"),
+    ({"sinks": ["nope"]}, "study.sinks: nope is not an option of the attention group"),
+    ({"window_pattern": "SSSS"}, "study.window_pattern must be letters S .* and L .*, both, .* got 'SSSS'"),
+    ({"window_pattern": "SLX"}, "study.window_pattern must be letters S"),
+    ({"sink_count": 0}, "study.sink_count must be >= 1, got 0"),
+    ({"position_bucket": 0}, "study.position_bucket must be >= 1, got 0"),
+    ({"position_blocks": -1}, "study.position_blocks must be >= 0 .0: no loss by position., got -1"),
+], ids=["local_global", "sinks", "pattern_all_S", "pattern_letter", "sink_count", "bucket", "blocks"])
+def test_the_new_study_options_name_themselves_in_one_line(kwargs, message):
+    with pytest.raises(ValueError, match=rf"^{message}") as error:
+        StudyConfig(**kwargs)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["study.window_pattern=SSSL"], r"study.window_pattern='SSSL' must be 1..n_layer=2 letters S"),
+    (["study.position_blocks=5000"], r"study.position_blocks=5000: a sequence of 160000 tokens needs a val "
+                                     r"split of 160001 tokens or more, this one has \d+"),
+], ids=["pattern_longer_than_the_model", "sequences_longer_than_the_val_split"])
+def test_what_the_model_and_data_refuse_names_the_study_option_before_any_row_trains(
+        overrides, message, tiny_run, tmp_path):
+    cfg = compose(*tiny_run, "study.variants=[mha]", *overrides, config_name="study")
+    with pytest.raises(ValueError, match=rf"^{message}") as error:
+        run_study(cfg, tmp_path)
+    assert "\n" not in str(error.value)
     assert not any(tmp_path.iterdir())
