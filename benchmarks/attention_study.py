@@ -344,15 +344,19 @@ POSITION_BATCH = 16  # sequences per forward pass of the loss by position
 
 def position_models(cfg: DictConfig, study, out_dir: Path) -> list[tuple[str, Path, dict]]:
     """(label, row directory, model fields changed at inference) of each model whose loss by position
-    the study measures: every windowed row, the full-attention row of its variant, and each
-    study.sinks variant's full-attention weights run with the window, without and with the sinks
-    (StreamingLLM's experiment); none without a windowed row."""
+    the study measures: every windowed row (a sinks row also run without its sinks), the
+    full-attention row of its variant, and each study.sinks variant's full-attention weights run with
+    the window, without and with the sinks (StreamingLLM's experiment); none without a windowed row."""
     windowed = windowed_rows(cfg, study)
     if not windowed:
         return []
     w, n = window_size(cfg), study.sink_count
     full = [v for v in dict.fromkeys(v for _, _, v, _ in windowed) if v in study.variants]
-    models = [(v, out_dir / v, {}) for v in full] + [(name, out_dir / d, {}) for name, d, _, _ in windowed]
+    models = [(v, out_dir / v, {}) for v in full]
+    for name, directory, _, fields in windowed:
+        models.append((name, out_dir / directory, {}))
+        if fields.get("attn_sinks"):
+            models.append((f"{name}, run without them", out_dir / directory, {"attn_sinks": 0}))
     for v in (v for v in study.sinks if v in study.variants):
         models += [(f"{v} weights, run with window {w}", out_dir / v, {"attn_window": w}),
                    (f"{v} weights, run with window {w} + {n} sinks", out_dir / v,
@@ -361,15 +365,17 @@ def position_models(cfg: DictConfig, study, out_dir: Path) -> list[tuple[str, Pa
 
 
 def position_sequences(run, study) -> torch.Tensor:
-    """The val split cut into consecutive sequences of study.position_blocks x block_size tokens and
-    the one each predicts next: (N, length + 1), sequence i starting at token i * length."""
+    """Sequences of study.position_blocks x block_size tokens of the val split and the token each
+    predicts next, one starting every block_size tokens: (N, length + 1). So every block of positions
+    (0 .. block_size - 1, block_size .. 2 block_size - 1, ...) covers the same text, but for a few
+    blocks at the split's ends: what differs between them is the position alone."""
     length = study.position_blocks * run.model.block_size
     val = torch.from_numpy(load_prepared(run.data_dir)[2].astype("int64"))
     if len(val) < length + 1:
         raise ValueError(f"study.position_blocks={study.position_blocks}: a sequence of {length} tokens "
                          f"needs a val split of {length + 1} tokens or more, this one has {len(val)} "
                          f"(0: no loss by position)")
-    return val.unfold(0, length + 1, length)                            # (N, length + 1)
+    return val.unfold(0, length + 1, run.model.block_size)              # (N, length + 1)
 
 
 @torch.no_grad()
@@ -425,7 +431,7 @@ def plot_positions(curves: dict, path: Path, window: int, block_size: int) -> No
         ax.annotate(text, (x, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
                     textcoords="offset points", fontsize=8, color="0.4")
     ax.set(xlabel="position in the sequence", ylabel="val loss at that position (mean of seeds)",
-           title="Loss by position (dashed: a window given at inference)")
+           title="Loss by position (dashed: window or sinks changed at inference)")
     ax.legend(fontsize=7)
     save_figure(fig, path)
 
@@ -454,15 +460,17 @@ def write_positions(cfg: DictConfig, models: list, sequences: torch.Tensor, out_
         per_seed = [position_losses(inference_model(row_dir / f"seed{s}", device, fields), sequences)
                     for s in study.seeds]
         curves[label] = position_curve(per_seed, study.position_bucket, bounds, trained=not fields)
-    text = (f"\nLoss by position: the cross-entropy at each position of {len(sequences)} consecutive val "
-            f"sequences of {length} tokens, uncached, averaged over each range of positions; mean ± std "
-            f"over {len(study.seeds)} seeds (—: past the model's block_size). \"weights, run with\": "
-            f"trained with full attention, given the window at inference.\n\n"
+    text = (f"\nLoss by position: the cross-entropy at each position of {len(sequences)} val sequences of "
+            f"{length} tokens, one starting every {block_size} (each block of positions covers the same "
+            f"text), uncached, averaged over each range of positions; mean ± std over {len(study.seeds)} "
+            f"seeds (—: past the model's block_size). \"run with\", \"run without\": the trained weights, "
+            f"their window or sinks changed at inference.\n\n"
             + "\n".join(position_table(curves, bounds)) + "\n")
     with open(out_dir / "study.md", "a") as f:
         f.write(text)
     (out_dir / "loss_by_position.json").write_text(json.dumps(
-        {"sequences": len(sequences), "length": length, "bucket": study.position_bucket, "curves": curves},
+        {"sequences": len(sequences), "length": length, "stride": block_size, "bucket": study.position_bucket,
+         "curves": curves},
         indent=1))
     plot_positions(curves, out_dir / "loss_by_position.png", window, block_size)
     return text

@@ -68,25 +68,28 @@ def test_study_runs_end_to_end_on_a_tiny_preset(tiny_run, tmp_path):
 
 
 def check_loss_by_position(result: dict, table: str):
-    """Sequences of 4 blocks (128) from a val split of ~4,000 tokens; buckets of 8 positions. A model
-    with a global layer stops at block_size (32); the windowed ones go the whole way. Within the first
-    window (bucket 0) a window given at inference changes nothing: the same weights, the same keys."""
-    assert (result["length"], result["bucket"]) == (128, 8) and 25 <= result["sequences"] <= 35
+    """Sequences of 4 blocks (128), one every block (32) of a val split of ~4,000 tokens; buckets of 8
+    positions. A model with a global layer stops at block_size; the windowed ones go the whole way.
+    Within the first window (bucket 0) a window or sinks changed at inference change nothing: the
+    same weights see the same keys."""
+    assert (result["length"], result["stride"], result["bucket"]) == (128, 32, 8)
+    assert 110 <= result["sequences"] <= 130
     curves = result["curves"]
+    sinks, without = "mha, window 8 + 4 sinks", "mha, window 8 + 4 sinks, run without them"
     streaming = ["mha weights, run with window 8", "mha weights, run with window 8 + 4 sinks"]
-    assert list(curves) == ["mha", "mha, window 8", "mha, window 8 / global (SL)", "mha, window 8 + 4 sinks",
-                            *streaming]
+    assert list(curves) == ["mha", "mha, window 8", "mha, window 8 / global (SL)", sinks, without, *streaming]
     for label, c in curves.items():
-        endless = label in ("mha, window 8", "mha, window 8 + 4 sinks", *streaming)
-        assert c["positions"] == (128 if endless else 32) and c["trained"] == (label not in streaming)
+        endless = label in ("mha, window 8", sinks, without, *streaming)
+        assert c["positions"] == (128 if endless else 32)
+        assert c["trained"] == (label not in (without, *streaming))
         assert len(c["loss_mean"]) == len(c["loss_std"]) == len(c["bucket_centres"]) == c["positions"] // 8
         means = c["loss_mean"] + [m for m, _ in c["ranges"].values()]
         assert all(math.isfinite(x) and 0 < x < 10 for x in means)
         assert list(c["ranges"]) == ["0-7", "8-31", "32-63", "64-95", "96-127"][:5 if endless else 2]
         assert f"| {label} | " in table
-    for label in streaming:
-        assert curves[label]["loss_mean"][0] == pytest.approx(curves["mha"]["loss_mean"][0], abs=1e-5)
-        assert curves[label]["loss_mean"][1] != pytest.approx(curves["mha"]["loss_mean"][1], abs=1e-6)
+    for label, same_weights in (*((s, "mha") for s in streaming), (without, sinks)):
+        assert curves[label]["loss_mean"][0] == pytest.approx(curves[same_weights]["loss_mean"][0], abs=1e-5)
+        assert curves[label]["loss_mean"][1] != pytest.approx(curves[same_weights]["loss_mean"][1], abs=1e-6)
     assert table.count("| — | — | — |") == 2  # the full and the local/global models, past block_size
 
 
