@@ -173,21 +173,16 @@ class KVCache:
 
     def ring_positions(self, window, end, pad):
         """(sinks + window,) or with pad (B, sinks + window): the positions a ring holds once positions
-        0 .. end-1 are written, -1 for a slot not written yet and for a sink position in the ring."""
-        device = end.device if isinstance(end, torch.Tensor) else None
-        last = torch.as_tensor(end, device=device) - 1
-        slots = torch.arange(window, device=device)
-        ring = last - (last - slots) % window                                  # (window,)
+        0 .. end-1 (end: a tensor) are written, -1 for a slot not written yet and for a sink position
+        in the ring (its sink slot holds it)."""
+        last = end - 1
+        ring = last - (last - torch.arange(window, device=end.device)) % window  # (window,)
         if pad is not None:
             ring = ring.expand(pad.size(0), window)                            # (B, window)
-        row_start = 0 if pad is None else pad[:, None]
-        if self.sinks:
-            ring = ring.masked_fill(ring - row_start < self.sinks, -1)
-        sinks = row_start + torch.arange(self.sinks, device=device)            # (sinks,) or (B, sinks)
-        sinks = sinks.masked_fill(sinks > last, -1)
-        if pad is None:
-            sinks = sinks.expand(self.sinks)
-        return torch.cat([sinks, ring.masked_fill(ring < 0, -1)], dim=-1)
+        row_start = 0 if pad is None else pad[:, None]                         # each row's position 0
+        ring = ring.masked_fill((ring < 0) | (ring - row_start < self.sinks), -1)
+        sinks = row_start + torch.arange(self.sinks, device=end.device)        # (sinks,) or (B, sinks)
+        return torch.cat([sinks.masked_fill(sinks > last, -1), ring], dim=-1)
 
     def advance(self, n: int) -> None:
         """Count n more positions as written; callers check for room, so overflowing is a bug."""
