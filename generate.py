@@ -273,9 +273,10 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
           file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
     scales = " + one scale per position and K/V head" if cache.quantized else ""
+    held = ": the window" * cache.ring + " and sinks" * bool(cache.sinks)
     print(f"KV cache in {cache.dtype}: {cache.bytes_per_token:,} bytes per token "
           f"({c.kv_cache_formula()} x {cache.dtype.itemsize} bytes{scales}), {cache.nbytes / 2**20:.2f} MB "
-          f"a sequence ({cache.max_len} positions{': the window' if cache.ring else ''}), "
+          f"a sequence ({cache.max_len} positions{held}), "
           f"{B * cache.nbytes / 2**20:.2f} MB for the batch", file=out)
 
 

@@ -348,8 +348,8 @@ def decode_backends(device: torch.device) -> list[SDPBackend]:
 
 
 class CompiledDecodeStep:
-    """The one-token step compiled once for a model, with one static KV cache (block_size slots, or
-    a ring of the model's window; batch_size rows; stored in kv_dtype) that every `stream` given
+    """The one-token step compiled once for a model, with one static KV cache (block_size slots per
+    layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every `stream` given
     this step reuses. Nothing the graph reads changes shape or address: the cache, the token, the
     pad and the position are tensors allocated here and written in place (`stream` fills the rows a
     smaller batch leaves free; their outputs are dropped). So every prompt length, number of new
