@@ -21,9 +21,10 @@ checkpoint is evaluated on its whole val split in each precision.
    compiles, the second finds the compiled code on disk. Each prints its warm-up's extra time.
 4. Thread counts (`--sections threads`): the default sample of both models at 1 and 2 threads,
    side by side, with the aten operations one decoded token costs (counted under a dispatch mode).
-5. The KV cache's precision (`--sections kv`): cached one-token steps of the char model's shape
-   at 1024 positions, batch 1 and 64, with the cache in float32, bfloat16 and int8 (float32
-   weights), the three measured in turn, round after round, and each one's median reported.
+5. The KV cache's precision (`--sections kv [--before <checkout>]`): cached one-token steps of the
+   main job's and the char model's shapes at 1024 positions, batch 1 and 64, with the cache in
+   float32, bfloat16 and int8 (float32 weights), each a fresh process, round after round, medians;
+   with --before, the same from another checkout side by side (before and after a change).
 6. A long prompt (`--sections long`): 30,000 tokens and 5 new ones on the CPU main job's shape
    (4/4/128, RoPE, block 64), with full attention (which crops the prompt to the block) and with a
    window of 16 (which runs its receptive field, 4 x 15 + 1 tokens), cached and uncached: seconds
@@ -59,7 +60,6 @@ from model.convert import llama_weights
 from model.device import Precision
 from model.generation import (
     CompiledDecodeStep,
-    decode_tokens_per_s,
     for_decoding,
     load_model,
     stream,
@@ -222,24 +222,40 @@ def threads(ckpt: str, new: int, rounds: int = 3) -> None:
         print(f"| {name} | {weights} | {ops_per_token(model):,.0f} | {cells} |")
 
 
-def cache_precisions(context: int = 1024, batches=(1, 64), rounds: int = 5) -> None:
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=context, n_layer=6, n_head=6, n_embd=384)
-    model = GPT(config).eval()
-    print(f"\n### KV cache precision: the 6/6/384 char shape, {context} cached positions, float32 weights, "
-          f"eager, {torch.get_num_threads()} threads; median of {rounds} interleaved rounds\n")
-    print("| KV cache | bytes per token | " + " | ".join(f"tokens/s, batch {b} | vs float32" for b in batches)
-          + " |\n|" + " --- |" * (2 + 2 * len(batches)))
-    speeds = {(name, b): [] for name in KV_DTYPES for b in batches}
-    for _ in range(rounds):
-        for b in batches:
-            for name, dtype in KV_DTYPES.items():
-                speeds[name, b].append(decode_tokens_per_s(model, b, context, dtype))
-    median = {key: sorted(v)[len(v) // 2] for key, v in speeds.items()}
-    for name, dtype in KV_DTYPES.items():
-        cells = [f"{median[name, b]:,.0f} | {median[name, b] / median['float32', b]:.2f}x" for b in batches]
-        size = model.new_kv_cache(1, dtype=dtype).bytes_per_token
-        print(f"| {name} | {size:,} | " + " | ".join(cells) + " |")
+KV_STEPS = """import sys, torch
+sys.path.insert(0, {code!r})
+from model import GPT, GPTConfig
+from model.generation import decode_tokens_per_s
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=65, block_size={context}, **{shape!r})).eval()
+print(decode_tokens_per_s(model, {batch}, {context}, {dtype!r}))"""
+KV_SHAPES = {"the main job's 4/4/128": dict(n_layer=4, n_head=4, n_embd=128, pos_emb="rope", norm="rmsnorm",
+                                            mlp="swiglu", bias=False),
+             "the char model's 6/6/384": dict(n_layer=6, n_head=6, n_embd=384)}
+
+
+def cache_precisions(codes: dict, context: int = 1024, batches=(1, 64), rounds: int = 3) -> None:
+    """Eager one-token steps at `context` cached positions, float32 weights, each cache dtype, each
+    in a fresh process importing the model from each of `codes` ({name: checkout}), interleaved."""
+    print(f"\n### KV cache precision: {context} cached positions, float32 weights, eager, "
+          f"{torch.get_num_threads()} threads; tokens/s, median of {rounds} interleaved rounds, each a "
+          f"fresh process; the model from {', '.join(f'{k}: {v}' for k, v in codes.items())}\n")
+    print("| shape | batch | KV cache | " + " | ".join(f"{name} | vs float32" for name in codes)
+          + " |\n|" + " --- |" * (3 + 2 * len(codes)))
+    for shape_name, shape in KV_SHAPES.items():
+        for batch in batches:
+            speeds = {(code, dtype): [] for code in codes for dtype in KV_DTYPES}
+            for _ in range(rounds):
+                for (code, dtype), runs in speeds.items():
+                    script = KV_STEPS.format(code=codes[code], context=context, shape=shape, batch=batch,
+                                             dtype=dtype)
+                    runs.append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
+                                                     capture_output=True, text=True).stdout))
+            median = {key: sorted(v)[rounds // 2] for key, v in speeds.items()}
+            for dtype in KV_DTYPES:
+                cells = [f"{median[c, dtype]:,.0f} | {median[c, dtype] / median[c, 'float32']:.2f}x"
+                         for c in codes]
+                print(f"| {shape_name} | {batch} | {dtype} | " + " | ".join(cells) + " |")
 
 
 LONG_PROMPT = """import resource, time, torch
@@ -326,7 +342,8 @@ def main() -> None:
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--code", default=str(ROOT), help="the checkout whose model --sections variants runs")
+    p.add_argument("--code", default=str(ROOT), help="the checkout whose model --sections variants, kv run")
+    p.add_argument("--before", help="--sections kv: also this checkout, side by side")
     sections = ["char", "main", "compile", "threads", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
@@ -347,7 +364,7 @@ def run(args) -> None:
     if "threads" in args.sections:
         threads(ckpt, args.new)
     if "kv" in args.sections:
-        cache_precisions()
+        cache_precisions({"before": args.before, "after": args.code} if args.before else {"this": args.code})
     if "long" in args.sections:
         long_prompt()
     if "variants" in args.sections:
