@@ -313,8 +313,10 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
 @pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
 def test_every_sdpa_call_of_the_decode_step_is_mha_shaped(variant):
     """What the CUDA kernels need (PyTorch 2.11): no call of the step passes enable_gqa, each has
-    as many query heads as K/V heads, and one mask (the step's fixed shape reads every slot)."""
+    as many query heads as K/V heads, and one mask (the step's fixed shape reads every slot of the
+    layer's cache, and a learned sink is one key more)."""
     model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant])
+    sink_key = int(model.config.attn_sink_logit)
     cache = model.new_kv_cache(2)
     cache.advance(3)
     with torch.no_grad(), SDPACalls() as calls:
@@ -322,7 +324,8 @@ def test_every_sdpa_call_of_the_decode_step_is_mha_shaped(variant):
     assert len(calls.made) == model.config.n_layer  # every layer attends, sharing ones too
     for q, k, v, kwargs in calls.made:
         assert not kwargs.get("enable_gqa") and q.size(1) == k.size(1) == v.size(1)
-        assert kwargs["attn_mask"] is not None and kwargs["attn_mask"].size(-1) == cache.max_len
+        assert kwargs["attn_mask"] is not None and kwargs["attn_mask"].size(-1) == k.size(2)
+        assert k.size(2) in {n + sink_key for n in cache.slot_lens}
 
 
 # Every argument of the public generation API, checked once per call with an error naming it.
