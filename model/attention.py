@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.config import GPTConfig
+from model.kv_cache import Quantized
 
 
 def causal_mask(T: int, S: int, device=None, window: int | None = None, sinks: int = 0) -> torch.Tensor:
@@ -97,6 +98,46 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     return (out, weights) if return_weights else out
 
 
+def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
+    """`attend` for one query per row over an int8 cache as stored: q (B, n_head, 1, d_k), k and v
+    `Quantized` (int8 (B, n_kv_head, S, d), scales (B, n_kv_head, S, 1)), attn_mask (bool) broadcasting
+    to (B, n_head, 1, S) -> (B, n_head, 1, d_v). The scales factor out of both sums, q . (s_j k_j) =
+    s_j (q . k_j) and sum_j w_j (s_j v_j) = sum_j (w_j s_j) v_j, so no float K or V is made:
+    compiled, the int8 numbers turn into floats inside the two reductions and the cache is read
+    once, as int8 (a quarter of float32's bytes). Query head h reads K/V head h // n_rep."""
+    B, n_head, _, d_k = q.shape
+    n_kv_head, S, d_v = k.values.size(1), k.values.size(2), v.values.size(-1)
+    n_rep = n_head // n_kv_head
+    scale = 1 / math.sqrt(d_k) if scale is None else scale
+    qg = q.float().view(B, n_kv_head, n_rep, 1, d_k)                   # (B, n_kv_head, n_rep, 1, d_k)
+    scores = (qg * k.values.unsqueeze(2).float()).sum(-1)             # (B, n_kv_head, n_rep, S)
+    scores = scores * k.scales[..., 0].unsqueeze(2).float() * scale
+    if attn_mask is not None:
+        mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + attn_mask.shape)  # (B or 1, ., 1, S)
+        scores = scores.masked_fill(~mask.expand(B, n_head, 1, S).reshape(B, n_kv_head, n_rep, S),
+                                    float("-inf"))
+    if sink_logit is not None:  # gpt-oss's sink joins the softmax; its weight goes nowhere
+        sink = sink_logit.float().view(1, n_kv_head, n_rep, 1).expand(B, -1, -1, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :S]
+    else:
+        weights = torch.softmax(scores, dim=-1)                         # (B, n_kv_head, n_rep, S)
+    weights = weights * v.scales[..., 0].unsqueeze(2).float()
+    out = (weights.unsqueeze(-1) * v.values.unsqueeze(2).float()).sum(-2)  # (B, n_kv_head, n_rep, d_v)
+    return out.view(B, n_head, 1, d_v).to(q.dtype)
+
+
+# Its own compiled kernel for an eager model's int8 steps (dynamic: the slots read grow each step);
+# inside the compiled decode step it is traced into the step's graph instead. Past dynamo's limit of
+# graphs per function (models of many shapes in one process) it runs eagerly: slower, the same numbers.
+compiled_attend_one_query = torch.compile(attend_one_query, dynamic=True)
+
+
+def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
+    """attend_one_query, compiled: traced into the caller's graph, or through its own kernel."""
+    step = attend_one_query if torch.compiler.is_compiling() else compiled_attend_one_query
+    return step(q, k, v, attn_mask, sink_logit, scale)
+
+
 def check_attend_args(q, k, v, backend, return_weights) -> None:
     """attend's shapes (S >= T, n_kv_head dividing n_head, q and k of one width, v with k's heads and
     positions) and options, or a ValueError saying which."""
@@ -170,6 +211,10 @@ class Attention(nn.Module):
         """`attend` with this layer's backend and dropout, causal (within the window) unless given a
         mask, which then says it all; naive (which can return them) when keeping the weights."""
         causal = attn_mask is None
+        if isinstance(k, Quantized):  # an int8 cache's one-token step: read as stored
+            S = k.values.size(2)
+            mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask
+            return attend_quantized(q, k, v, mask, self.sinks, scale)
         out = attend(q, k, v, is_causal=causal, window=self.window if causal else None, sinks=self.n_sinks,
                      sink_logit=self.sinks, attn_mask=attn_mask, scale=scale,
                      dropout_p=self.dropout if self.training else 0.0,

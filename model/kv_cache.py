@@ -2,6 +2,8 @@
 in float32, bfloat16 or int8 (one scale per position and head), and for a sliding-window model it
 is a ring of window slots that position p overwrites at slot p % window."""
 
+from typing import NamedTuple
+
 import torch
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache stores
@@ -25,6 +27,15 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
+class Quantized(NamedTuple):
+    """What an int8 cache hands a one-token step: the rows as stored, int8 (B, heads, S, dim), and
+    their scales (B, heads, S, 1). Attention reads them so (attention.attend_quantized), in one pass
+    over the int8 numbers, instead of a float copy of the cache."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+
 class KVCache:
     """Per slot (one layer, or one group of `GPTConfig.kv_share` layers), K and V of shape
     (B, n_kv_head, slot length, key_dim) in `dtype`, handed to attention in `compute_dtype`. With
@@ -39,7 +50,7 @@ class KVCache:
     (the positions written); slots past it hold stale values the mask hides, so shapes never change
     and decode can be compiled. Storing in another dtype, it keeps one slot's K and V in
     compute_dtype too (`read_buffer`), into which each layer converts its own: much faster than a
-    fresh tensor."""
+    fresh tensor; a one-token step of an int8 cache reads it as stored instead (`Quantized`)."""
 
     def __init__(self, windows, batch_size, n_kv_head, max_len, key_dim, *, sinks=0, value_dim_in_keys=0,
                  dtype=torch.float32, compute_dtype=None, device=None):
@@ -70,8 +81,8 @@ class KVCache:
         Return the K and V attention reads, as stored and in compute_dtype, laid out as
         `key_positions` says."""
         keys = self.write(slot, "k", input_pos, k, read, pad)
-        if self.value_dim_in_keys:
-            return keys, keys[..., :self.value_dim_in_keys]
+        if self.value_dim_in_keys:  # V is inside K: the caller keeps the first columns of its output
+            return keys, keys
         return keys, self.write(slot, "v", input_pos, v, read, pad)
 
     def write(self, slot, name, input_pos, x, read, pad):
@@ -88,7 +99,10 @@ class KVCache:
             return torch.cat([old, new], dim=2)                                # (B, heads, slots + T, dim)
         if read == T:
             return new                                                         # (B, heads, T, dim)
-        return self.read(name, stored, scales, stored.size(2) if read is None or ring else read)
+        n = stored.size(2) if read is None or ring else read
+        if self.quantized and T == 1:
+            return Quantized(stored[:, :, :n], scales[:, :, :n])
+        return self.read(name, stored, scales, n)
 
     def store(self, slot, name, input_pos, x, pad=None) -> torch.Tensor:
         """Store x (B, heads, T, dim) at positions input_pos (T,): a ring keeps the last `window` of
@@ -180,7 +194,8 @@ class KVCache:
         if pad is not None:
             ring = ring.expand(pad.size(0), window)                            # (B, window)
         row_start = 0 if pad is None else pad[:, None]                         # each row's position 0
-        ring = ring.masked_fill((ring < 0) | (ring - row_start < self.sinks), -1)
+        row_pos = ring - row_start                                             # below 0: a pad
+        ring = ring.masked_fill((ring < 0) | ((row_pos >= 0) & (row_pos < self.sinks)), -1)
         sinks = row_start + torch.arange(self.sinks, device=end.device)        # (sinks,) or (B, sinks)
         return torch.cat([sinks.masked_fill(sinks > last, -1), ring], dim=-1)
 
