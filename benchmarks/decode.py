@@ -228,6 +228,7 @@ from model import GPT, GPTConfig
 from model.generation import decode_tokens_per_s
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=65, block_size={context}, **{shape!r})).eval()
+decode_tokens_per_s(model, {batch}, {context}, {dtype!r})  # warm-up: compiles what the steps compile
 print(decode_tokens_per_s(model, {batch}, {context}, {dtype!r}))"""
 KV_SHAPES = {"the main job's 4/4/128": dict(n_layer=4, n_head=4, n_embd=128, pos_emb="rope", norm="rmsnorm",
                                             mlp="swiglu", bias=False),
