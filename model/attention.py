@@ -132,9 +132,14 @@ def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 compiled_attend_one_query = torch.compile(attend_one_query, dynamic=True)
 
 
+COMPILE_FROM = 2**18  # int8 numbers read a step from which the compiled kernel pays for compiling
+
+
 def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
-    """attend_one_query, compiled: traced into the caller's graph, or through its own kernel."""
-    step = attend_one_query if torch.compiler.is_compiling() else compiled_attend_one_query
+    """attend_one_query, compiled: traced into the caller's graph, or through its own kernel; run
+    as written over a cache too small for compiling (seconds) to pay off."""
+    small = k.values.numel() < COMPILE_FROM
+    step = attend_one_query if torch.compiler.is_compiling() or small else compiled_attend_one_query
     return step(q, k, v, attn_mask, sink_logit, scale)
 
 
