@@ -242,8 +242,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     from torch._dynamo.utils import counters
 
     model, _ = load_model(tiny_ckpt, "cpu")
-    # The eager reference of the second step, first: its int8 attention is a compiled kernel too.
-    window = cache_kind_model(ENDLESS["gqa window, sinks, sink logit"])
+    window = tiny_model(pos_emb="rope", attn_window=6)
     window_eager = generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0]
     step = CompiledDecodeStep(model, batch_size=3)
     buffers = [t.data_ptr() for t in step.cache.buffers]
@@ -261,14 +260,26 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
             assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], (call, prompts, new)
         # Another step (another model and cache) is a graph of its own, not a recompile of this one:
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
-        # This one decodes a sliding window with sinks and learned sink logits through an int8 ring,
-        # 3x past block_size (24).
+        # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8)
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
     with pytest.raises(ValueError, match="serves batches of up to 3 rows, got 4"):
         generate(model, [[1]] * 4, 2, decode_step=step)
+
+
+@pytest.mark.parametrize("kind", ["gqa window, sinks, sink logit", "local/global, sinks, sink logit"])
+def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
+    """The step's one graph (aot_eager: dynamo and AOTAutograd trace it, with no code generated)
+    over sinks beside int8 rings, learned sink logits and global layers: the eager step's tokens,
+    3x past block_size (24) where the model generates past it."""
+    model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
+    step = CompiledDecodeStep(model, batch_size=2, kv_dtype=torch.int8, backend="aot_eager")
+    prompts, n = [[1, 2], [3, 4, 5, 6, 7]], 72 if kind in ENDLESS else 24 - 5
+    eager, compiled = (generate(model, prompts, n, temperature=0, kv_dtype=torch.int8, decode_step=d)
+                       for d in (None, step))
+    assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
 
 
 def test_the_compiled_steps_backends_are_a_list_on_every_device():
