@@ -138,8 +138,8 @@ class KVCache:
         source = source.expand(rows, n) if pad is None else source               # (B, n)
         for name, slots in prefix.stored.items():
             for slot, kv in enumerate(slots):
-                rows = kv[0, :, :n][:, source]                                 # (heads, B, n, dim)
-                self.store(slot, name, columns, rows.transpose(0, 1), pad)
+                each_row = kv[0, :, :n][:, source]                             # (heads, B, n, dim)
+                self.store(slot, name, columns, each_row.transpose(0, 1), pad)
         self.length = n
 
     def read(self, name, stored, scales, n):
