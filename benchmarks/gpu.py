@@ -17,11 +17,15 @@ optimizer  one step of AdamW (fused, for-each) and of Muon (PyTorch's, ours batc
            the recipe's model.
 decode     batch-1 decode of the char model (6/6/384) and GPT-2 124M's shape (random weights): our
            compiled step (a CUDA graph over the static cache) against our eager step and
-           transformers' generate with its static cache; tokens equal to the eager and uncached
-           paths; the CUDA graphs launched per token (counted by the profiler).
+           transformers' generate with its static cache, and the compiled step with the naive
+           backend's attention; tokens equal to the eager and uncached paths; the CUDA graphs
+           launched per token (counted by the profiler).
 variants   MHA, GQA, MQA and MLA at GPT-2 small width, block 1024: the one-token step at a full
            cache at batch 1, 16, 64 and 256 (replayed as a CUDA graph): tokens/s, peak memory and
            the SDPA kernel, plotted.
+profile    where a step's time goes: wall time against the GPU's busy time (the kernels' summed
+           time, from the profiler) for the recipe's compiled training step and batch-1 decoding;
+           each profile's top operations in profile_*.txt.
 
 Each measurement is one row of --out/results.jsonl, appended and flushed when it ends (a command
 stopped by its time limit keeps every row it finished), and tables.md is rewritten from the rows.
@@ -31,6 +35,8 @@ mean nothing.
 """
 
 import argparse
+import dataclasses
+import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -65,22 +71,22 @@ LEVERS = {  # name: the overrides that change one thing from the recipe
     "eager, no torch.compile": ["train.compile=false"],
     "math attention, no flash SDPA": ["model.attn_backend=naive"],
     "corpus in host memory": ["data.on_device=false"],
-    "nanoGPT's evaluation (200 batches every 250 steps)": ["train.eval_interval=250", "train.eval_iters=200"],
-    "batch 128": ["train.batch_size=128", "train.max_iters=2500"],
-    "RoPE": ["model.pos_emb=rope"],
+    "nanoGPT's evaluation (200 batches every 250 steps)": ["train.eval_iters=200"],
+    "learned positions, no RoPE": ["model.pos_emb=learned"],
     "RMSNorm": ["model.norm=rmsnorm"],
     "SwiGLU": ["model.mlp=swiglu"],
     "QK-norm": ["model.qk_norm=true"],
-    "lr 2e-3": ["train.lr=2e-3"],
+    "lr 1e-3 (nanoGPT's)": ["train.lr=1e-3"],
+    "batch 128, 1000 iterations": ["train.batch_size=128", "train.max_iters=1000", "train.eval_interval=125"],
     "dropout 0.1": ["model.dropout=0.1"],
     "Muon": ["train.optimizer=muon"],
 }
-LEVER_GROUPS = {  # one command each in the plan, each under 5 minutes by its estimate; together every lever
-    "speed": ["recipe", "eager, no torch.compile", "corpus in host memory",
+LEVER_GROUPS = {  # the plan runs speed in one command, model and tuning in another; together every lever
+    "speed": ["recipe", "float32, no bf16 autocast", "eager, no torch.compile",
+              "math attention, no flash SDPA", "corpus in host memory",
               "nanoGPT's evaluation (200 batches every 250 steps)"],
-    "precision": ["float32, no bf16 autocast", "math attention, no flash SDPA", "batch 128"],
-    "architecture": ["RoPE", "RMSNorm", "SwiGLU", "QK-norm"],
-    "tuning": ["lr 2e-3", "dropout 0.1", "Muon"],
+    "model": ["learned positions, no RoPE", "RMSNorm", "SwiGLU", "QK-norm"],
+    "tuning": ["lr 1e-3 (nanoGPT's)", "batch 128, 1000 iterations", "dropout 0.1", "Muon"],
 }
 SMOKE_LEVERS = ["recipe", "math attention, no flash SDPA"]
 SMOKE_MODEL = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32"]
@@ -98,7 +104,7 @@ VARIANTS = {  # at GPT-2 small width (12 heads of 64): K/V heads, or MLA's laten
     "MLA": {"mla_latent_dim": 256, "mla_rope_dim": 32},  # DeepSeek-V2's 4x and 0.5x the head width
 }
 BATCHES = [1, 16, 64, 256]
-SECTIONS = ["probe", "train", "optimizer", "decode", "variants"]
+SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "profile"]
 
 
 # ----------------------------------------------------------------------------- results, as they come
@@ -470,6 +476,13 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
            "CUDA graphs launched per token": graph_launches_per_token(ours, step)}
     tokens_per_s["ours, eager step"] = new / (timed_ms(lambda: generate(ours, prompt, new, temperature=0),
                                                        device, repeat=2) / 1e3)
+    # The same step with the naive backend's attention (matmuls and a softmax, no SDPA kernel): at
+    # batch 1 the memory-efficient kernel runs one thread block per head (the profile section).
+    naive = GPT(dataclasses.replace(ours.config, attn_backend="naive")).to(device, dtype).eval()
+    naive.load_state_dict(ours.state_dict())
+    naive_step = CompiledDecodeStep(naive, backend=backend)
+    tokens_per_s["ours, compiled step, naive attention"] = new / (timed_ms(lambda: generate(
+        naive, prompt, new, temperature=0, decode_step=naive_step), device, repeat=2) / 1e3)
     try:  # transformers' own failure (its version there) is this cell's, not the row's
         tokens_per_s["transformers, static cache"] = new / (timed_ms(lambda: hf.generate(
             prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
@@ -508,9 +521,12 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
     slot as the compiled step does. On CUDA it is captured once as a CUDA graph and replayed
     (no compile: 16 of them would take minutes); on the CPU it runs eagerly."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if device.type == "cuda":
+    held_before = 0
+    if device.type == "cuda":  # the earlier rows' models, caches and graphs freed first: on the first
+        gc.collect()           # H200 run, without this, each variant's peak carried ~0.1 GB of the last's
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        held_before = torch.cuda.memory_allocated(device)
     model = variant_model(fields, device, dtype, smoke)
     cache = model.new_kv_cache(batch)
     for t in cache.buffers:
@@ -540,6 +556,7 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         cache.nbytes + sum(p.nbytes for p in model.parameters())
     return {"tokens/s": batch * steps / (ms / 1e3), "peak GB": peak / 1e9,
+            "held before GB": held_before / 1e9,
             "KV cache per token": model.config.kv_cache_formula(),
             "SDPA": kernels_text(decode_step_kernels(model, batch)), "dtype": str(dtype)}
 
@@ -569,6 +586,85 @@ def plot_variants(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+# ----------------------------------------------------------------------------- profile
+
+def profile_section(results: Results, device: torch.device, smoke: bool) -> None:
+    """Where a step's time goes: wall time per step against the GPU's busy time (the kernels'
+    summed device time, from the profiler) for the recipe's compiled training step and for
+    batch-1 decoding with the compiled step; each profile's top operations go to profile_*.txt."""
+    for mode in ("default", "reduce-overhead"):  # the recipe's compile, and the step as CUDA graphs
+        measure(results, "profile", f"training step (the recipe's, bf16, compiled, mode {mode})",
+                lambda mode=mode: profile_training(results.out, device, smoke, mode))
+    for name, shape in DECODE_SHAPES.items():
+        shape = (shape[0], 64, 2, 2, 32) if smoke else shape
+        measure(results, "profile", f"decode, {name}",
+                lambda name=name, shape=shape: profile_decode(results.out, name, shape, device, smoke))
+
+
+def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, int]:
+    """Runs fn under the profiler; writes its top operations to out/profile_<label>.txt and returns
+    (the kernels' summed device ms, the number of kernels)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    (out / f"profile_{label}.txt").write_text(
+        averages.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                       row_limit=25) + "\n\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3, len(kernels)
+
+
+def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "default") -> dict:
+    """The recipe's step (6/6/384 with RoPE, block 256, batch 64, dropout 0.2) as the loop takes it:
+    bf16 autocast forward and backward of the compiled model (torch.compile's `mode`; the loop
+    compiles with the default), clipping, fused AdamW."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
+                       n_head=2 if smoke else 6, n_embd=32 if smoke else 384, dropout=0.2, pos_emb="rope")
+    model = GPT(config).to(device)
+    optimizer = configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1)
+    compiled = torch.compile(model, backend="aot_eager") if smoke else torch.compile(model, mode=mode)
+    batch = 4 if smoke else 64
+    x = torch.randint(0, 65, (batch, config.block_size), device=device)
+    amp = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
+
+    def steps(n):
+        for _ in range(n):
+            with amp:
+                _, loss = compiled(x, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    n = 2 if smoke else 20
+    ms = timed_ms(lambda: steps(n), device, repeat=2) / n
+    gpu_ms, kernels = profiled(lambda: steps(n), out, f"training_{mode.replace('-', '_')}", device)
+    return {"wall ms/step": ms, "GPU busy ms/step": gpu_ms / n, "kernels/step": kernels / n,
+            "TFLOP/s": 6 * model.num_params() * batch * config.block_size / ms / 1e9}
+
+
+def profile_decode(out: Path, name: str, shape: tuple, device: torch.device, smoke: bool) -> dict:
+    """Batch-1 greedy decoding with the compiled step (bf16 on CUDA), as the decode section times it."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _, ours = decode_models(shape, device)
+    ours = ours.to(dtype)
+    step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    new = min(200, shape[1] - 2)
+    generate_new = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)
+    ms = timed_ms(generate_new, device, repeat=2) / new
+    label = "decode_" + name.split()[0].lower().replace("-", "")        # decode_char, decode_gpt2
+    gpu_ms, kernels = profiled(generate_new, out, label, device)
+    return {"wall ms/token": ms, "GPU busy ms/token": gpu_ms / new, "kernels/token": kernels / new,
+            "tokens/s": 1e3 / ms}
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None) -> list[dict]:
@@ -592,7 +688,8 @@ def main(argv=None) -> list[dict]:
          "train": lambda: train_section(results, levers, args.smoke),
          "optimizer": lambda: optimizer_section(results, device, args.smoke),
          "decode": lambda: decode_section(results, device, args.smoke),
-         "variants": lambda: variants_section(results, device, args.smoke)}[section]()
+         "variants": lambda: variants_section(results, device, args.smoke),
+         "profile": lambda: profile_section(results, device, args.smoke)}[section]()
     rows = results.rows()[start:]
     print("\n" + render_tables(rows), flush=True)
     failed = [r for r in rows if "error" in r or r.get("same tokens (compiled, eager, uncached)") is False]

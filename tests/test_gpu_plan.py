@@ -42,8 +42,9 @@ def test_the_plan_measures_every_section_and_lever_and_ends_with_the_cuda_checks
     gpu = [shlex.split(c) for c in commands if c.startswith("python3 benchmarks/gpu.py")]
     assert "probe" in gpu[0] and commands[-1] == "python3 -m pytest --gpu tests/test_gpu.py"
     sections = {s for argv in gpu for s in " ".join(argv).split("--section ")[1].split(" --")[0].split()}
-    assert sections == {"probe", "train", "optimizer", "decode", "variants"}
-    groups = [argv[argv.index("--levers") + 1] for argv in gpu if "--levers" in argv]
+    assert sections == {"probe", "train", "optimizer", "decode", "variants", "profile"}
+    groups = [name for argv in gpu if "--levers" in argv
+              for name in " ".join(argv).split("--levers ")[1].split(" --")[0].split()]
     assert sorted(lever_overrides(groups)) == sorted(LEVERS) and sorted(groups) == sorted(LEVER_GROUPS)
     assert all(argv[argv.index("--out") + 1] == "$OUT/gpu" for argv in gpu)  # one results file
 
@@ -73,13 +74,14 @@ def test_every_command_of_the_plan_runs_on_the_cpu_without_datasets(started_run)
     out = started_run.result()  # raises what a command raised
     rows = Results(out).rows()
     assert not [r for r in rows if "error" in r]
-    assert {r["section"] for r in rows} == {"probe", "train", "optimizer", "decode", "variants"}
+    assert {r["section"] for r in rows} == {"probe", "train", "optimizer", "decode", "variants", "profile"}
     assert sorted(r["name"] for r in rows if r["section"] == "train") == sorted(LEVERS)
     corpus = next(r for r in rows if r["name"] == "prepared corpus")
     assert corpus["was prepared"] and not corpus["datasets imported"]
     tables = (out / "tables.md").read_text()
-    assert all(f"### {s}" in tables for s in ("probe", "train", "optimizer", "decode", "variants"))
+    assert all(f"### {s}" in tables for s in ("probe", "train", "optimizer", "decode", "variants", "profile"))
     assert (out / "variants.png").stat().st_size > 0
+    assert "Self CPU" in (out / "profile_training_reduce_overhead.txt").read_text()
 
 
 def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_data):
@@ -92,10 +94,10 @@ def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_
     while not (out / "results.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL  # killed before the last of its 4 levers
+    assert proc.wait() == -signal.SIGKILL  # killed before the last of its 6 levers
     lines = (out / "results.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]  # every line whole
-    assert 1 <= len(rows) < 4 and rows[0]["name"] == "recipe" and rows[0]["tokens/s"] > 0
+    assert 1 <= len(rows) < 6 and rows[0]["name"] == "recipe" and rows[0]["tokens/s"] > 0
     assert "| recipe |" in (out / "tables.md").read_text()
 
 
@@ -113,10 +115,11 @@ def test_a_failed_measurement_is_a_row_and_the_next_one_runs(tmp_path, char_data
 
 def test_lever_names_groups_and_overrides_are_read_and_anything_else_refused():
     assert list(lever_overrides(["tuning"])) == LEVER_GROUPS["tuning"]
-    assert lever_overrides(["RoPE", "train.lr=3e-3 model.dropout=0"]) == {
-        "RoPE": ["model.pos_emb=rope"], "train.lr=3e-3 model.dropout=0": ["train.lr=3e-3", "model.dropout=0"]}
-    with pytest.raises(SystemExit, match="--levers: 'Rope' is not a group"):
-        lever_overrides(["Rope"])
+    assert lever_overrides(["RMSNorm", "train.lr=3e-3 model.dropout=0"]) == {
+        "RMSNorm": ["model.norm=rmsnorm"],
+        "train.lr=3e-3 model.dropout=0": ["train.lr=3e-3", "model.dropout=0"]}
+    with pytest.raises(SystemExit, match="--levers: 'rmsnorm' is not a group"):
+        lever_overrides(["rmsnorm"])
 
 
 def test_rows_cut_short_by_a_kill_are_skipped(tmp_path):
