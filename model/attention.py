@@ -4,6 +4,7 @@ Built on it: `CausalSelfAttention` (MHA, GQA, MQA) and `LatentAttention` (MLA). 
 attended over, which the later layers of a `GPTConfig.kv_share` group attend over instead of their own.
 """
 
+import functools
 import math
 
 import torch
@@ -126,10 +127,14 @@ def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
     return out.view(B, n_head, 1, d_v).to(q.dtype)
 
 
-# Its own compiled kernel for an eager model's int8 steps (dynamic: the slots read grow each step);
-# inside the compiled decode step it is traced into the step's graph instead. Past dynamo's limit of
-# graphs per function (models of many shapes in one process) it runs eagerly: slower, the same numbers.
-compiled_attend_one_query = torch.compile(attend_one_query, dynamic=True)
+@functools.cache
+def compiled_attend_one_query():
+    """Its own compiled kernel for an eager model's int8 steps (dynamic: the slots read grow each
+    step); inside the compiled decode step it is traced into the step's graph instead. Past dynamo's
+    limit of graphs per function (models of many shapes in one process) it runs eagerly: slower, the
+    same numbers. Made on first use: torch.compile imports dynamo and inductor, ~2 s that every
+    process importing this module would otherwise pay at start."""
+    return torch.compile(attend_one_query, dynamic=True)
 
 
 COMPILE_FROM = 2**18  # int8 numbers read a step from which the compiled kernel pays for compiling
@@ -139,7 +144,7 @@ def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
     """attend_one_query, compiled: traced into the caller's graph, or through its own kernel; run
     as written over a cache too small for compiling (seconds) to pay off."""
     small = k.values.numel() < COMPILE_FROM
-    step = attend_one_query if torch.compiler.is_compiling() or small else compiled_attend_one_query
+    step = attend_one_query if torch.compiler.is_compiling() or small else compiled_attend_one_query()
     return step(q, k, v, attn_mask, sink_logit, scale)
 
 

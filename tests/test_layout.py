@@ -3,13 +3,14 @@ code-first share of comments and docstrings, and imports that run one way down, 
 
 import ast
 import io
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, clean_env
 
 PACKAGES = ("model", "data", "training", "cli")
 SOURCES = sorted([ROOT / "train.py", ROOT / "generate.py",
@@ -98,6 +99,17 @@ def test_model_imports_only_torch_safetensors_and_itself():
     outside = {f"{name}: {m}" for name, path in project_files().items() if name.split(".")[0] == "model"
                for m in imports_of(path) if m.split(".")[0] not in {*stdlib, *MODEL_PACKAGES, "model"}}
     assert not outside
+
+
+def test_importing_the_project_loads_no_compiler():
+    """torch.compile's machinery (dynamo, inductor: ~2 s of imports) loads only when something
+    compiles, so every command starts, and a bad option fails, without it."""
+    modules = "model, data, training.loop, cli.options, generate"
+    compilers = "('torch._dynamo', 'torch._inductor')"
+    result = subprocess.run([sys.executable, "-c", f"import sys, {modules}; "
+                             f"print(sorted(m for m in {compilers} if m in sys.modules))"],
+                            cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
 
 def test_the_imports_have_no_circle():
