@@ -238,13 +238,16 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
     of new tokens, past block_size (32) too: one graph, never recompiled; the cache's buffers
     are the same ones throughout; the tokens are the eager step's, greedy and seeded. A second
-    step (a window model's int8 ring) is a second graph, not a recompile."""
+    step (a window model's int8 ring) is a second graph, not a recompile. Both are traced by dynamo
+    and AOTAutograd with no code generated (aot_eager: guards, recompiles and static buffers are
+    dynamo's either way); inductor's code for the step, float32 and over an int8 cache, is
+    test_quantize's, each compile there costing seconds."""
     from torch._dynamo.utils import counters
 
     model, _ = load_model(tiny_ckpt, "cpu")
     window = tiny_model(pos_emb="rope", attn_window=6)
     window_eager = generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0]
-    step = CompiledDecodeStep(model, batch_size=3)
+    step = CompiledDecodeStep(model, batch_size=3, backend="aot_eager")
     buffers = [t.data_ptr() for t in step.cache.buffers]
     graphs = counters["stats"]["unique_graphs"]  # dynamo's count since the process started
     rng = random.Random(0)
@@ -261,7 +264,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
         # Another step (another model and cache) is a graph of its own, not a recompile of this one:
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
         # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
-        other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8)
+        other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8, backend="aot_eager")
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers

@@ -140,7 +140,8 @@ COMPILED = {("float32", None), ("bfloat16", "int8")}
 
 def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path):
     """dtype x quantize x compile x kv_cache, the model loaded as generate.py loads it. One layer
-    of the main job's model: every layer shape of it, and two compiles (COMPILED)."""
+    of the main job's model: every layer shape of it, and two compiles (COMPILED); the compiled
+    int8-weights step keeps its cache in int8 too (inductor's code for reading an int8 cache)."""
     config = main_job_config(n_layer=1)
     torch.manual_seed(0)
     checkpoint.save(tmp_path / "best.pt", Checkpoint(model=GPT(config).state_dict(), model_config=config,
@@ -154,9 +155,10 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
             continue
         mode = f"dtype={dtype} quantize={quantize} compile={compile} kv_cache={kv_cache}"
         model, _ = load_model(tmp_path, "cpu", Precision(dtype, quantize))
-        decode_step = CompiledDecodeStep(model, len(idx)) if compile and kv_cache else None  # as generate.py
+        kv_dtype = torch.int8 if compile and quantize == "int8" else None
+        decode_step = CompiledDecodeStep(model, len(idx), kv_dtype=kv_dtype) if compile and kv_cache else None
         greedy = Sampling(10, temperature=0)
-        new = list(stream(model, idx, greedy, kv_cache=kv_cache, decode_step=decode_step))
+        new = list(stream(model, idx, greedy, kv_cache=kv_cache, decode_step=decode_step, kv_dtype=kv_dtype))
         tokens = torch.cat([idx, torch.stack(new, dim=1)], dim=1)           # (2, 15)
         assert ((0 <= tokens) & (tokens < 65)).all(), mode
         got = logits_along(model, tokens, 5, kv_cache, decode_step)
