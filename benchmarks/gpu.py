@@ -455,7 +455,7 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     backend = "aot_eager" if smoke else "inductor"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf, ours = decode_models(shape, device)
-    new = min(500, shape[1] - 2)
+    new = 16 if smoke else min(500, shape[1] - 2)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     # The check runs in float32 (in bf16 the paths round differently, and a random model's
     # near-ties may then break either way), with float32 matmuls, not TF32.
@@ -656,7 +656,7 @@ def profile_decode(out: Path, name: str, shape: tuple, device: torch.device, smo
     ours = ours.to(dtype)
     step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    new = min(200, shape[1] - 2)
+    new = 8 if smoke else min(200, shape[1] - 2)
     generate_new = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)
     ms = timed_ms(generate_new, device, repeat=2) / new
     label = "decode_" + name.split()[0].lower().replace("-", "")        # decode_char, decode_gpt2

@@ -91,7 +91,7 @@ def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_
                              "speed", "--out", str(out)], cwd=ROOT, env=clean_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (out / "results.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+    while not (out / "tables.md").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL  # killed before the last of its 6 levers
