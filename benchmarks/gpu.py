@@ -398,12 +398,16 @@ def train_lever(argv: list[str]) -> dict:
 
 # ----------------------------------------------------------------------------- optimizer
 
+def recipe_config(smoke: bool, **fields) -> GPTConfig:
+    """The GPU recipe's model shape (6/6/384, block 256, vocab 65), or a toy one with smoke."""
+    return GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
+                     n_head=2 if smoke else 6, n_embd=32 if smoke else 384, **fields)
+
+
 def optimizer_section(results: Results, device: torch.device, smoke: bool) -> None:
     """One step over the recipe model's parameters: AdamW fused and for-each; Muon (on the blocks'
     matrices) as PyTorch's (a Newton-Schulz iteration per matrix) and ours (batched by shape)."""
-    config = GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
-                       n_head=2 if smoke else 6, n_embd=32 if smoke else 384)
-    model = GPT(config).to(device)
+    model = GPT(recipe_config(smoke)).to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     matrices = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("blocks.")]
@@ -497,9 +501,14 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
 
 
 def decode_section(results: Results, device: torch.device, smoke: bool) -> None:
-    for name, (vocab, block, n_layer, n_head, n_embd) in DECODE_SHAPES.items():
-        shape = (vocab, 64, 2, 2, 32) if smoke else (vocab, block, n_layer, n_head, n_embd)
-        measure(results, "decode", name, lambda shape=shape: decode_row(shape, device, smoke))
+    for name, shape in DECODE_SHAPES.items():
+        measure(results, "decode", name,
+                lambda shape=shape: decode_row(decode_shape(shape, smoke), device, smoke))
+
+
+def decode_shape(shape: tuple, smoke: bool) -> tuple:
+    """A DECODE_SHAPES entry, or with smoke a toy one of the same vocabulary (block 64, 2/2/32)."""
+    return (shape[0], 64, 2, 2, 32) if smoke else shape
 
 
 # ----------------------------------------------------------------------------- variants
@@ -596,9 +605,8 @@ def profile_section(results: Results, device: torch.device, smoke: bool) -> None
         measure(results, "profile", f"training step (the recipe's, bf16, compiled, mode {mode})",
                 lambda mode=mode: profile_training(results.out, device, smoke, mode))
     for name, shape in DECODE_SHAPES.items():
-        shape = (shape[0], 64, 2, 2, 32) if smoke else shape
-        measure(results, "profile", f"decode, {name}",
-                lambda name=name, shape=shape: profile_decode(results.out, name, shape, device, smoke))
+        measure(results, "profile", f"decode, {name}", lambda name=name, shape=shape: profile_decode(
+            results.out, name, decode_shape(shape, smoke), device, smoke))
 
 
 def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, int]:
@@ -624,8 +632,7 @@ def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "
     bf16 autocast forward and backward of the compiled model (torch.compile's `mode`; the loop
     compiles with the default), clipping, fused AdamW."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=32 if smoke else 256, n_layer=1 if smoke else 6,
-                       n_head=2 if smoke else 6, n_embd=32 if smoke else 384, dropout=0.2, pos_emb="rope")
+    config = recipe_config(smoke, dropout=0.2, pos_emb="rope")
     model = GPT(config).to(device)
     optimizer = configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1)
     compiled = torch.compile(model, backend="aot_eager") if smoke else torch.compile(model, mode=mode)
