@@ -221,6 +221,8 @@ class Attention(nn.Module):
         """`attend` with this layer's backend and dropout, causal (within the window) unless given a
         mask, which then says it all; naive (which can return them) when keeping the weights."""
         causal = attn_mask is None
+        if isinstance(k, Quantized) and self.keep_weights:  # the numbers it stands for, to the naive path
+            k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))
         if isinstance(k, Quantized):  # an int8 cache's one-token step: read as stored
             S = k.values.size(2)
             mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask

@@ -74,6 +74,9 @@ class KVCache:
             name: torch.empty(batch_size, n_kv_head, self.max_len, key_dim, dtype=self.compute_dtype,
                               device=device) for name in kv}
         self.length = 0
+        # A dict while an inspector records (model.inspection): each store of an int8 cache puts
+        # there, under (slot, name), how far what it stored is from what it was given.
+        self.errors = None
 
     def update(self, slot, input_pos, k, v=None, read=None, pad=None):
         """Write k (B, n_kv_head, T, key_dim) and v at positions input_pos (T,) of the first B rows
@@ -110,9 +113,12 @@ class KVCache:
         stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
         scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None  # (.., 1)
         if self.quantized:
+            given = x
             x, scale = quantize_rows(x)                                        # (B, heads, T, dim), (.., 1)
             scale = scale.to(self.compute_dtype)
             new = x.to(self.compute_dtype) * scale
+            if self.errors is not None:  # relative: |stored - given| / |given|, over the rows written
+                self.errors[slot, name] = (new.float() - given.float()).norm() / given.float().norm().clamp(min=1e-30)
         else:
             x, scale = x.to(self.dtype), None
             new = x.to(self.compute_dtype)

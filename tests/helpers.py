@@ -29,6 +29,23 @@ ATTENTION = {
     "gqa_cla2_3_layers": {"n_kv_head": 2, "kv_share": 2, "n_layer": 3},
     "mla_cla2_3_layers": {"mla_latent_dim": 6, "mla_rope_dim": 2, "kv_share": 2, "n_layer": 3},
 }
+# Every cache kind, as tiny_model overrides with RoPE. The endless ones have a window in every layer
+# (their reference is the whole sequence, however long); a layer over the whole context refills its
+# cache past block_size, where the reference slides instead, so those are compared within it.
+ENDLESS = {
+    "window": {"attn_window": 6},
+    "window, sinks": {"attn_window": 6, "attn_sinks": 2},
+    "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
+                                      "attn_sink_logit": True},
+    "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
+    "shared window, sinks": ATTENTION["gqa_cla2_3_layers"] | {"attn_window": 6, "attn_sinks": 2},
+}
+BOUNDED = {
+    "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
+    "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
+    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
+                                        "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
+}
 # Text whose characters take 2 to 4 bytes of UTF-8 (GPT-2's BPE cuts ’ and “ into two tokens).
 MULTI_BYTE = "A’’’’ “quoted” — naïve café, 日本語 🎭 done\n"
 # The user's environment must not change what a test sees (an offline flag, a wandb key, ...).
@@ -50,6 +67,14 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
     """tiny_config(**overrides) as a GPT in eval mode, its weights drawn from `seed`."""
     torch.manual_seed(seed)
     return GPT(tiny_config(**overrides)).eval()
+
+
+def cache_kind_model(overrides):
+    model = tiny_model(pos_emb="rope", **overrides)
+    for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
+        if block.attn.sinks is not None:
+            block.attn.sinks.data.normal_(0, 2)
+    return model
 
 
 def hf_gpt2(path, **overrides):

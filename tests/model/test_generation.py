@@ -22,36 +22,11 @@ from model.generation import (
     sample_next,
     stream,
 )
-from tests.helpers import ATTENTION, VARIANTS, tiny_model
+from tests.helpers import ATTENTION, BOUNDED, ENDLESS, VARIANTS, cache_kind_model, tiny_model
 from training.evaluation import split_loss
 
-# Every cache kind, as tiny_model overrides with RoPE. The endless ones have a window in every layer
-# (their reference is the whole sequence, however long); a layer over the whole context refills its
-# cache past block_size, where the reference slides instead, so those are compared within it.
-ENDLESS = {
-    "window": {"attn_window": 6},
-    "window, sinks": {"attn_window": 6, "attn_sinks": 2},
-    "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
-                                      "attn_sink_logit": True},
-    "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
-    "shared window, sinks": ATTENTION["gqa_cla2_3_layers"] | {"attn_window": 6, "attn_sinks": 2},
-}
-BOUNDED = {
-    "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
-    "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
-    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
-                                        "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
-}
 PREFILL = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1},
            "prefix not shared": {"share_prefix": False}}
-
-
-def cache_kind_model(overrides):
-    model = tiny_model(pos_emb="rope", **overrides)
-    for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
-        if block.attn.sinks is not None:
-            block.attn.sinks.data.normal_(0, 2)
-    return model
 
 
 def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):

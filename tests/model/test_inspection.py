@@ -1,0 +1,121 @@
+"""model/inspection.py: what the recorder keeps of a decode is the decode's own, for every attention
+option and cache kind: the tokens it printed, the slot layout a cache of that kind must have, and
+weights equal to the naive backend's over the same context, uncached."""
+
+import pytest
+import torch
+
+from model.generation import Sampling, stream
+from model.inspection import DecodeRecorder, weights_to_record
+from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_model
+
+# Every attention option with RoPE, and full attention with learned positions; a prompt of 30 tokens
+# with 20 new is past block_size (24): full layers refill, rings wrap, a long prompt is cut.
+MODELS = {name: lambda o=o: cache_kind_model(o) for name, o in (ATTENTION | ENDLESS | BOUNDED).items()}
+MODELS["learned positions"] = lambda: tiny_model()
+PROMPT, NEW = 30, 20
+CACHES = {"float32": dict(kv_cache=True), "int8": dict(kv_cache=True, kv_dtype="int8"),
+          "no cache": dict(kv_cache=False), "chunks of 4": dict(kv_cache=True, prefill_chunk=4)}
+
+
+def recorded(model, prompt, **kw):
+    """(the tokens a greedy decode yields as the recorder watches it, its record)."""
+    with DecodeRecorder(model, prompt) as recorder:
+        steps = recorder.watch(stream(model, torch.tensor([prompt]), Sampling(NEW, 0), **kw))
+        tokens = [int(t[0]) for t in steps]
+    return tokens, recorder.record()
+
+
+@torch.no_grad()
+def naive_weights(model, ids) -> list[torch.Tensor]:
+    """Per layer, (n_head, len(ids)): the last query's weights over `ids` at positions 0.., uncached,
+    as the naive backend computes them."""
+    for block in model.blocks:
+        block.attn.keep_weights = True
+    try:
+        model(torch.tensor([ids]))
+        return [block.attn.weights[0, :, -1] for block in model.blocks]
+    finally:
+        for block in model.blocks:
+            block.attn.keep_weights, block.attn.weights = False, None
+
+
+def check_layout(step, s, n, record, config):
+    """The slots a cache of this kind holds after the step that fed tokens 0 .. n-1, and which it
+    just wrote; without a cache, the context."""
+    cache = record["cache"]
+    if cache is None:
+        (group,) = step["groups"]
+        assert group["seq"] == list(range(n - len(group["seq"]), n)) and group["written"] == []
+        assert len(group["seq"]) == min(n, config.context_size or n)
+        return
+    for g, (kind, group) in enumerate(zip(cache["groups"], step["groups"])):
+        seq, written = group["seq"], group["written"]
+        if not kind["ring"]:  # position p in slot p, from the token at position 0
+            assert seq == list(range(step["offset"], n)), (g, seq)
+        else:  # sinks keep the first tokens; the ring the last `window`, in cyclic order
+            k, w = cache["sinks"], kind["window"]
+            start = step["offset"]  # the token at position 0 (after a refill, the first kept)
+            assert seq[:k] == list(range(start, start + k))  # (n > k here)
+            ring = {j: q for j, q in enumerate(seq) if j >= k and q >= 0}
+            assert sorted(ring.values()) == list(range(max(n - w, start + k), n)), (g, seq)
+            first = min(ring)
+            assert all((q - ring[first]) % w == (j - first) % w for j, q in ring.items())
+        if s == 0 or step["refill"] is not None:
+            assert written == [j for j, q in enumerate(seq) if q >= 0]
+        else:
+            assert written == [seq.index(n - 1)]
+    if step["refill"] is not None:  # a full cache keeps its last block_size // 2 - 1 tokens
+        assert step["refill"] == config.block_size // 2 - 1 and step["offset"] == n - config.block_size // 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_record_is_the_decodes_own(name):
+    model = MODELS[name]()
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 37, (PROMPT,)).tolist()
+    for kind, kw in CACHES.items():
+        tokens, record = recorded(model, prompt, **kw)
+        # The tokens it printed: those of the same decode unwatched.
+        plain = [int(t[0]) for t in stream(model, torch.tensor([prompt]), Sampling(NEW, 0), **kw)]
+        assert tokens == plain and record["tokens"] == prompt + tokens, kind
+        assert len(record["steps"]) == NEW and [s["token"] for s in record["steps"]] == tokens
+        tolerance = 3e-2 if kind == "int8" else 1e-6  # int8: the weights over K rounded to 8 bits
+        for s, step in enumerate(record["steps"]):
+            n = PROMPT + s  # tokens fed when this step's forward ran
+            check_layout(step, s, n, record, model.config)
+            reference = naive_weights(model, record["tokens"][step["offset"]:n])
+            for layer, weights in enumerate(step["weights"]):
+                group = step["groups"][record["model"]["layer_group"][layer] if record["cache"] else 0]
+                seq = torch.tensor(group["seq"])
+                page = torch.tensor(weights, dtype=torch.float64)                       # (n_head, used)
+                held = seq >= 0
+                ref = reference[layer].double()[:, seq[held] - step["offset"]]         # (n_head, held)
+                torch.testing.assert_close(page[:, held], ref, atol=tolerance, rtol=0, msg=f"{kind} {s}")
+                assert (page[:, ~held] == 0).all()
+                torch.testing.assert_close(page.sum(-1), reference[layer].double().sum(-1),
+                                           atol=tolerance + 1e-5, rtol=0)
+        if kind == "int8":  # K and V (inside K for MLA) of what each step wrote, a little off
+            errors = torch.tensor([[e for e in group if e is not None] for s in record["steps"]
+                                   for group in s["errors"]])
+            assert ((errors > 0) & (errors < 0.02)).all()
+        else:
+            assert all(s["errors"] is None for s in record["steps"])
+
+
+def test_the_recorder_leaves_the_model_as_it_was():
+    model = tiny_model(n_kv_head=2)
+    tokens, record = recorded(model, [1, 2, 3])
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert all(not b.attn.keep_weights and b.attn.weights is None for b in model.blocks)
+    cache = record["cache"]
+    # tiny: 2 layers x 2 (K, V) x 2 kv heads x 4 numbers x 4 bytes, for 23 positions (3 + 20 new)
+    assert cache["bytes_per_token"] == 2 * 2 * 2 * 4 * 4 and cache["nbytes"] == 23 * 128
+    assert [g["bytes"] for g in cache["groups"]] == [23 * 64] * 2 and cache["formula"].startswith("2 layers")
+
+
+def test_weights_to_record_bounds_the_page():
+    config = tiny_model().config  # 2 layers x 4 heads, block 24
+    assert weights_to_record(config, 30, 20) == 20 * 2 * 4 * 24
+    endless = cache_kind_model(ENDLESS["window, sinks"]).config  # no last position: the whole context
+    assert weights_to_record(endless, 30, 20) == 20 * 2 * 4 * 50
