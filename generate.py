@@ -5,6 +5,7 @@
     python generate.py ckpt=... kv_cache=false      # the uncached reference path
     python generate.py ckpt=... benchmark=true      # tokens/s with and without the cache
     python generate.py ckpt=... attn_plot=attn.png  # the prompt's attention heatmaps
+    python generate.py ckpt=... inspect=decode.html # a page: the cache and attention, step by step
 
 `GenerateConfig` is the schema of configs/generate.yaml; `sample(cfg)` does the work and is
 callable from Python; `main` is the Hydra wrapper.
@@ -17,6 +18,7 @@ import sys
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,12 +28,14 @@ from hydra.core.config_store import ConfigStore
 
 from cli.configs import CONFIGS, composed_jobs, config_object, quote_literal_options
 from cli.errors import exit_on_user_error, naming
+from cli.page import write_inspect_page
 from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.device import Precision, check_device, memory_bytes, pick_device
 from model.generation import CompiledDecodeStep, Sampling, left_pad, load_model, stream, timed_stream
+from model.inspection import MAX_WEIGHTS, DecodeRecorder, weights_to_record
 from model.kv_cache import storage_dtype
 from training.plots import pyplot
 
@@ -61,6 +65,7 @@ class GenerateConfig:
     benchmark: bool = False        # print prefill/decode tokens/s and the cache size instead
     attn_plot: str | None = None   # a .png path: the prompt's attention weights
     attn_layer: int = 0
+    inspect: str | None = None     # an .html path: a page of the decode's cache and attention, step by step
 
     def __post_init__(self):
         check_integer_fields(self, "")
@@ -82,6 +87,19 @@ class GenerateConfig:
         check_device(self.device)
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")
+        if self.inspect:
+            self.check_inspect()
+
+    def check_inspect(self) -> None:
+        """inspect=<file.html> records one eager decode: a writable .html file, one sample."""
+        check_output_file(self.inspect, "inspect")
+        if Path(self.inspect).suffix.lower() not in (".html", ".htm"):
+            raise ValueError(f"inspect={self.inspect}: give an .html file name, e.g. inspect=decode.html")
+        for clash, why in ((self.num_samples > 1, "shows one sample: leave num_samples=1"),
+                           (self.compile, "records the eager decode step: leave compile=false"),
+                           (self.benchmark, "records a decode, not a benchmark: leave benchmark=false")):
+            if clash:
+                raise ValueError(f"inspect={self.inspect} {why}")
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
@@ -159,6 +177,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype)
         return []
 
+    if cfg.inspect:
+        check_inspect_fits(model, encoded, cfg)
     idx, pad = left_pad(encoded, device)
     # Sample j of each prompt draws from seed + j, so every sample is the one `seed=<seed + j>`
     # gives for that prompt alone, however the prompts are batched.
@@ -167,8 +187,25 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
                     decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype,
                     prefill_chunk=cfg.prefill_chunk)
-    texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
+    with DecodeRecorder(model, encoded[0]) if cfg.inspect else nullcontext() as recorder:
+        tokens = recorder.watch(tokens) if recorder else tokens
+        texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
+    if recorder:
+        pieces = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in recorder.tokens]
+        size = write_inspect_page(cfg.inspect, recorder.record(), pieces)
+        print(f"inspect page saved to {cfg.inspect} ({len(recorder.steps)} steps, {size / 2**20:.1f} MB)",
+              file=out)
     return [p + t for p, t in zip(prompts, texts)]
+
+
+def check_inspect_fits(model, encoded: list[list[int]], cfg: GenerateConfig) -> None:
+    """inspect=... records one prompt's decode, with at most MAX_WEIGHTS attention weights."""
+    if len(encoded) > 1:
+        raise ValueError(f"inspect={cfg.inspect} shows one sample: give one prompt, not a prompt_file of "
+                         f"{len(encoded)}")
+    if (n := weights_to_record(model.config, len(encoded[0]), cfg.max_new_tokens)) > MAX_WEIGHTS:
+        raise ValueError(f"inspect={cfg.inspect}: max_new_tokens={cfg.max_new_tokens} would record {n:,} "
+                         f"attention weights, more than the page's {MAX_WEIGHTS:,}: lower max_new_tokens")
 
 
 @torch.no_grad()

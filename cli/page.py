@@ -1,0 +1,17 @@
+"""The inspect page generate.py writes (`inspect=page.html`): the template cli/inspect.html with
+a decode's recording (model.inspection.DecodeRecorder) inlined as JSON, one self-contained file."""
+
+import json
+from pathlib import Path
+
+TEMPLATE = Path(__file__).with_name("inspect.html")
+
+
+def write_inspect_page(path, record: dict, pieces: list[str]) -> int:
+    """Write the page of `record` to path, with `pieces` the text of each of its tokens; returns its
+    size in bytes."""
+    data = json.dumps(record | {"pieces": pieces}, separators=(",", ":"), allow_nan=False)
+    data = data.replace("<", "\\u003c")  # no "</script>" can end the data early
+    page = TEMPLATE.read_text(encoding="utf-8").replace("/*DATA*/null", data, 1)
+    Path(path).expanduser().write_text(page, encoding="utf-8")
+    return len(page.encode())
