@@ -152,6 +152,9 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     streams) and returns their texts."""
     out = out or sys.stdout
     lines = read_prompts(cfg)
+    if cfg.inspect and len(lines) > 1:
+        raise ValueError(f"inspect={cfg.inspect} shows one sample: give one prompt, not a prompt_file of "
+                         f"{len(lines)}")
     source = cfg.ckpt
     if source is None:
         source = latest_run("outputs")
@@ -178,7 +181,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         return []
 
     if cfg.inspect:
-        check_inspect_fits(model, encoded, cfg)
+        check_inspect_fits(model, encoded[0], cfg)
     idx, pad = left_pad(encoded, device)
     # Sample j of each prompt draws from seed + j, so every sample is the one `seed=<seed + j>`
     # gives for that prompt alone, however the prompts are batched.
@@ -198,14 +201,12 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     return [p + t for p, t in zip(prompts, texts)]
 
 
-def check_inspect_fits(model, encoded: list[list[int]], cfg: GenerateConfig) -> None:
-    """inspect=... records one prompt's decode, with at most MAX_WEIGHTS attention weights."""
-    if len(encoded) > 1:
-        raise ValueError(f"inspect={cfg.inspect} shows one sample: give one prompt, not a prompt_file of "
-                         f"{len(encoded)}")
-    if (n := weights_to_record(model.config, len(encoded[0]), cfg.max_new_tokens)) > MAX_WEIGHTS:
+def check_inspect_fits(model, prompt: list[int], cfg: GenerateConfig) -> None:
+    """inspect=... records a decode of at most MAX_WEIGHTS attention weights."""
+    if (n := weights_to_record(model.config, len(prompt), cfg.max_new_tokens)) > MAX_WEIGHTS:
         raise ValueError(f"inspect={cfg.inspect}: max_new_tokens={cfg.max_new_tokens} would record {n:,} "
-                         f"attention weights, more than the page's {MAX_WEIGHTS:,}: lower max_new_tokens")
+                         f"attention weights (~{8 * n / 2**20:,.0f} MB of page), more than {MAX_WEIGHTS:,}: "
+                         f"lower max_new_tokens")
 
 
 @torch.no_grad()

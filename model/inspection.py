@@ -12,7 +12,7 @@ given. Hooks on the model record the batch's first row; a decode nobody watches 
 import torch
 
 WEIGHT_DECIMALS = 6  # the recorded weights are within 5e-7 of the model's
-MAX_WEIGHTS = 2**25  # attention weights one recording may hold (~200 MB of page)
+MAX_WEIGHTS = 2**23  # attention weights one recording may hold: ~8 bytes each in the page, so ~70 MB
 
 
 def weights_to_record(config, prompt_len: int, max_new_tokens: int) -> int:

@@ -118,7 +118,8 @@ class KVCache:
             scale = scale.to(self.compute_dtype)
             new = x.to(self.compute_dtype) * scale
             if self.errors is not None:  # relative: |stored - given| / |given|, over the rows written
-                self.errors[slot, name] = (new.float() - given.float()).norm() / given.float().norm().clamp(min=1e-30)
+                given = given.float()
+                self.errors[slot, name] = (new.float() - given).norm() / given.norm().clamp(min=1e-30)
         else:
             x, scale = x.to(self.dtype), None
             new = x.to(self.compute_dtype)

@@ -111,6 +111,16 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["seed=100000000000000000000000"], "seed=100000000000000000000000 is out of range"),
     (["max_new_tokens=100000000000000000000"], "max_new_tokens=100000000000000000000 is out of range"),
     ([f"num_samples={2**63 - 1}"], f"num_samples={2**63 - 1}: 9,223,372,036,854,775,807 rows take at least"),
+    (["inspect=/nonexistent/a.html"], "inspect=/nonexistent/a.html: the folder /nonexistent does not exist"),
+    (["inspect=tests"], "inspect=tests is a folder: give a file name"),
+    (["inspect=a.png"], "inspect=a.png: give an .html file name, e.g. inspect=decode.html"),
+    (["inspect=a.html", "num_samples=2"], "inspect=a.html shows one sample: leave num_samples=1"),
+    (["inspect=a.html", "compile=true"], "inspect=a.html records the eager decode step: leave compile=false"),
+    (["inspect=a.html", "benchmark=true"], "inspect=a.html records a decode, not a benchmark"),
+    (["inspect=a.html", "prompt_file=README.md"], "inspect=a.html shows one sample: give one prompt, not a "
+                                                  "prompt_file of"),
+    (["inspect=a.html", "max_new_tokens=100000"], "inspect=a.html: max_new_tokens=100000 would record "
+                                                  "25,600,000 attention weights (~195 MB of page)"),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
