@@ -34,8 +34,17 @@ from data.tokenizer import TextStream, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.device import Precision, check_device, memory_bytes, pick_device
-from model.generation import CompiledDecodeStep, Sampling, left_pad, load_model, stream, timed_stream
-from model.inspection import MAX_WEIGHTS, DecodeRecorder, weights_to_record
+from model.generation import (
+    MAX_WEIGHTS,
+    CompiledDecodeStep,
+    DecodeRecorder,
+    Sampling,
+    left_pad,
+    load_model,
+    stream,
+    timed_stream,
+    weights_to_record,
+)
 from model.kv_cache import storage_dtype
 from training.plots import pyplot
 
@@ -96,6 +105,7 @@ class GenerateConfig:
         if Path(self.inspect).suffix.lower() not in (".html", ".htm"):
             raise ValueError(f"inspect={self.inspect}: give an .html file name, e.g. inspect=decode.html")
         for clash, why in ((self.num_samples > 1, "shows one sample: leave num_samples=1"),
+                           (self.max_new_tokens == 0, "shows new tokens: give max_new_tokens >= 1"),
                            (self.compile, "records the eager decode step: leave compile=false"),
                            (self.benchmark, "records a decode, not a benchmark: leave benchmark=false")):
             if clash:

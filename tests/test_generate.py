@@ -115,6 +115,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["inspect=tests"], "inspect=tests is a folder: give a file name"),
     (["inspect=a.png"], "inspect=a.png: give an .html file name, e.g. inspect=decode.html"),
     (["inspect=a.html", "num_samples=2"], "inspect=a.html shows one sample: leave num_samples=1"),
+    (["inspect=a.html", "max_new_tokens=0"], "inspect=a.html shows new tokens: give max_new_tokens >= 1"),
     (["inspect=a.html", "compile=true"], "inspect=a.html records the eager decode step: leave compile=false"),
     (["inspect=a.html", "benchmark=true"], "inspect=a.html records a decode, not a benchmark"),
     (["inspect=a.html", "prompt_file=README.md"], "inspect=a.html shows one sample: give one prompt, not a "

@@ -1,19 +1,20 @@
-"""model/inspection.py: what the recorder keeps of a decode is the decode's own, for every attention
-option and cache kind: the tokens it printed, the slot layout a cache of that kind must have, and
+"""model/generation.py's DecodeRecorder: what it keeps of a decode is the decode's own, for every
+attention option and cache kind: the tokens it printed, the slot layout a cache of that kind must have, and
 weights equal to the naive backend's over the same context, uncached."""
+
+import functools
 
 import pytest
 import torch
 
-from model.generation import Sampling, stream
-from model.inspection import DecodeRecorder, weights_to_record
+from model.generation import DecodeRecorder, Sampling, stream, weights_to_record
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_model
 
 # Every attention option with RoPE, and full attention with learned positions; a prompt of 30 tokens
-# with 20 new is past block_size (24): full layers refill, rings wrap, a long prompt is cut.
+# with 12 new is past block_size (24): full layers refill, rings wrap, a long prompt is cut.
 MODELS = {name: lambda o=o: cache_kind_model(o) for name, o in (ATTENTION | ENDLESS | BOUNDED).items()}
 MODELS["learned positions"] = lambda: tiny_model()
-PROMPT, NEW = 30, 20
+PROMPT, NEW = 30, 12
 CACHES = {"float32": dict(kv_cache=True), "int8": dict(kv_cache=True, kv_dtype="int8"),
           "no cache": dict(kv_cache=False), "chunks of 4": dict(kv_cache=True, prefill_chunk=4)}
 
@@ -26,10 +27,11 @@ def recorded(model, prompt, **kw):
     return tokens, recorder.record()
 
 
+@functools.cache
 @torch.no_grad()
-def naive_weights(model, ids) -> list[torch.Tensor]:
+def naive_weights(model, ids: tuple[int, ...]) -> list[torch.Tensor]:
     """Per layer, (n_head, len(ids)): the last query's weights over `ids` at positions 0.., uncached,
-    as the naive backend computes them."""
+    as the naive backend computes them (once per model and context: the cache kinds share them)."""
     for block in model.blocks:
         block.attn.keep_weights = True
     try:
@@ -84,7 +86,7 @@ def test_the_record_is_the_decodes_own(name):
         for s, step in enumerate(record["steps"]):
             n = PROMPT + s  # tokens fed when this step's forward ran
             check_layout(step, s, n, record, model.config)
-            reference = naive_weights(model, record["tokens"][step["offset"]:n])
+            reference = naive_weights(model, tuple(record["tokens"][step["offset"]:n]))
             for layer, weights in enumerate(step["weights"]):
                 group = step["groups"][record["model"]["layer_group"][layer] if record["cache"] else 0]
                 seq = torch.tensor(group["seq"])
@@ -109,9 +111,9 @@ def test_the_recorder_leaves_the_model_as_it_was():
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert all(not b.attn.keep_weights and b.attn.weights is None for b in model.blocks)
     cache = record["cache"]
-    # tiny: 2 layers x 2 (K, V) x 2 kv heads x 4 numbers x 4 bytes, for 23 positions (3 + 20 new)
-    assert cache["bytes_per_token"] == 2 * 2 * 2 * 4 * 4 and cache["nbytes"] == 23 * 128
-    assert [g["bytes"] for g in cache["groups"]] == [23 * 64] * 2 and cache["formula"].startswith("2 layers")
+    # tiny: 2 layers x 2 (K, V) x 2 kv heads x 4 numbers x 4 bytes, for 15 positions (3 + 12 new)
+    assert cache["bytes_per_token"] == 2 * 2 * 2 * 4 * 4 and cache["nbytes"] == 15 * 128
+    assert [g["bytes"] for g in cache["groups"]] == [15 * 64] * 2 and cache["formula"].startswith("2 layers")
 
 
 def test_weights_to_record_bounds_the_page():
