@@ -64,15 +64,20 @@ def exit_on_user_error(fn, *args, **kwargs):
 
 @contextmanager
 def naming(option: str, argument: str | None = None):
-    """User errors raised inside name `option`, the setting as typed: the library's name for it,
-    `argument`, is replaced by it (device=cuda -> train.device=cuda), or without one the message
-    is prefixed with it (train.resume: checkpoint not found: ...)."""
+    """User errors raised inside name `option`, the setting as typed. With `argument`, the
+    library's name for it, each whole `argument` (no letter, digit, `_`, `.` or `-` right before
+    it) that names the option becomes `option`: one followed by `=` (device=cpu ->
+    train.device=cpu), by `.` and a field (GPTConfig.n_embd -> model.n_embd), or opening the
+    message as its subject (run_dir: cannot write ... -> hydra.run.dir: cannot write ...). The
+    same word anywhere else is prose and stays (a machine with 1 CUDA device, the device's memory).
+    Without `argument` the message is prefixed with `option` (train.resume: checkpoint not found)."""
     try:
         yield
     except USER_ERRORS as e:
         text = str(e)
         if argument:
-            text = re.sub(rf"(?<![\w.]){re.escape(argument)}\b", option, text)
+            name = rf"(?<![\w.-]){re.escape(argument)}"
+            text = re.sub(rf"\A{name}(?=[:\s])|{name}(?==|\.\w)", option, text)
         else:
             text = f"{option}: {text}"
         try:

@@ -64,13 +64,13 @@ def run_files(run_dir: Path) -> list[str]:
 
 def in_use_error(run_dir: Path) -> ValueError:
     return ValueError(f"run_dir={run_dir} is in use: another process is training there; "
-                      f"write this run to another run_dir")
+                      f"write this run to another folder: run_dir=<folder>")
 
 
 def holds_run_error(run_dir: Path, found: list[str]) -> FileExistsError:
     return FileExistsError(f"run_dir={run_dir} already holds a run ({found[0]}), which this one would "
                            f"overwrite: continue it with train.resume={run_dir}, or write to another "
-                           f"run_dir")
+                           f"folder: run_dir=<folder>")
 
 
 def release_run_dir(run_dir) -> None:

@@ -1,9 +1,12 @@
 """cli/errors.py: the one guard every command line uses, and each entry point's one-line errors."""
 
 import pytest
+import torch
 
-from cli.errors import exit_on_user_error, user_error
+from cli.errors import exit_on_user_error, naming, user_error
+from model.config import GPTConfig
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
+from training.distributed import check_processes
 
 # Each entry point run as a real process, with a bad value the other tests do not cover, and the
 # words its one-line error must hold: the exit code and the one line are the interpreter's, not
@@ -160,3 +163,56 @@ def test_under_torchrun_the_first_process_of_each_machine_says_the_error(monkeyp
     assert user_error("bad") == "error: bad"
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert user_error("bad") == 1
+
+
+# Every naming(option, argument) of the repo (cli/options.py, cli/configs.py, the attention study),
+# with a message that has the argument's word as prose and as the option: only the option is renamed.
+NAMING = [
+    ("train.device", "device",
+     "device=cuda:3 but this machine has 1 CUDA device: one process per device, in the device's memory "
+     "(devices: 1; or device=cpu)",
+     "train.device=cuda:3 but this machine has 1 CUDA device: one process per device, in the device's "
+     "memory (devices: 1; or train.device=cpu)"),
+    ("model", "GPTConfig", "GPTConfig.n_embd=48 must be divisible by n_head=5: a GPTConfig splits it "
+     "over the heads (GPTConfig)", "model.n_embd=48 must be divisible by n_head=5: a GPTConfig splits "
+     "it over the heads (GPTConfig)"),
+    ("hydra.run.dir", "run_dir", "run_dir: cannot write to /r: not a run_dir, as run_dirs hold .hydra/ "
+     "(or run_dir=/s)", "hydra.run.dir: cannot write to /r: not a run_dir, as run_dirs hold .hydra/ "
+     "(or hydra.run.dir=/s)"),
+    ("hydra.run.dir", "run_dir", "run_dir=/r is in use: write this run to another folder: run_dir=<folder>",
+     "hydra.run.dir=/r is in use: write this run to another folder: hydra.run.dir=<folder>"),
+    ("study.window_pattern", "model.window_pattern", "model.window_pattern='SX' must be letters S or L: "
+     "each model's window_pattern, not --model.window_pattern=SL", "study.window_pattern='SX' must be "
+     "letters S or L: each model's window_pattern, not --model.window_pattern=SL"),
+    ("study.sink_count", "model.attn_sinks", "model.attn_sinks must be an integer >= 0: the model's "
+     "attn_sinks, as --model.attn_sinks=1", "study.sink_count must be an integer >= 0: the model's "
+     "attn_sinks, as --model.attn_sinks=1"),
+]
+
+
+@pytest.mark.parametrize("option, argument, message, expected", NAMING,
+                         ids=[f"{a}->{o}" for o, a, _, _ in NAMING])
+def test_naming_renames_the_option_not_the_prose(option, argument, message, expected):
+    with pytest.raises(ValueError) as info, naming(option, argument):
+        raise ValueError(message)
+    assert str(info.value) == expected
+
+
+def test_naming_keeps_the_torchrun_message_readable():
+    """check_processes' CUDA device in prose stays; its device=cpu is the option train.device."""
+    with pytest.raises(ValueError) as info, naming("train.device", "device"):
+        check_processes(torch.device("cuda"), 2, 1)
+    assert "which has 1 CUDA device: one process per GPU" in str(info.value)
+    assert str(info.value).endswith("so --nproc_per_node=1 at most (or train.device=cpu)")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"attn_window": 8, "window_pattern": "SX"}, "study.window_pattern='SX' must be 1..n_layer=2 letters"),
+    ({"attn_window": 8, "attn_sinks": -1}, "study.sink_count must be an integer >= 0, got -1"),
+])
+def test_nested_naming_renames_what_the_inner_one_renamed(fields, message):
+    """The study's names over the model's (GPTConfig.attn_sinks -> model.attn_sinks -> study.sink_count)."""
+    with (pytest.raises(ValueError) as info, naming("study.window_pattern", "model.window_pattern"),
+          naming("study.sink_count", "model.attn_sinks"), naming("model", "GPTConfig")):
+        GPTConfig(**{"block_size": 8, "n_layer": 2, "n_head": 2, "n_embd": 8, **fields})
+    assert str(info.value).startswith(message)
