@@ -14,6 +14,7 @@ callable from Python; `main` is the Hydra wrapper.
 import os
 import signal
 import sys
+import time
 
 if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
     signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))  # Ctrl-C while importing: quiet
@@ -21,6 +22,7 @@ if __name__ == "__main__" and signal.getsignal(signal.SIGINT) is signal.default_
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import hydra
 import torch
@@ -67,7 +69,8 @@ class GenerateConfig:
     kv_cache: bool = True
     kv_dtype: str | None = None    # float32 | bfloat16 | int8 (per-position scales); None: the decode dtype
     prefill_chunk: int | None = None  # the prompt enters the cache this many tokens at a time; None: at once
-    compile: bool = False          # compile the one-token decode step (CUDA graphs on GPU)
+    compile: Any = "auto"          # the one-token step: auto (on CUDA captured as a CUDA graph, no
+                                   # code generated; elsewhere eager) | true (inductor) | false (eager)
     dtype: str = "auto"            # auto | float32 | bfloat16 (auto: see model.device.Precision)
     quantize: str | None = "auto"  # auto | int8 (weight-only int8 Linear layers) | null
     device: str = "auto"
@@ -94,6 +97,8 @@ class GenerateConfig:
         # The torch dtype the cache stores in (None: the decode dtype), by the cache's own rule.
         self.cache_dtype = None if self.kv_dtype is None else storage_dtype(self.kv_dtype, "kv_dtype")
         check_device(self.device)
+        if not (self.compile == "auto" or isinstance(self.compile, bool)):
+            raise ValueError(f"compile must be one of auto, true, false, got {self.compile!r}")
         if self.attn_plot:
             check_output_file(self.attn_plot, "attn_plot")
         if self.inspect:
@@ -106,10 +111,21 @@ class GenerateConfig:
             raise ValueError(f"inspect={self.inspect}: give an .html file name, e.g. inspect=decode.html")
         for clash, why in ((self.num_samples > 1, "shows one sample: leave num_samples=1"),
                            (self.max_new_tokens == 0, "shows new tokens: give max_new_tokens >= 1"),
-                           (self.compile, "records the eager decode step: leave compile=false"),
+                           (self.compile is True, "records the eager decode step: leave compile=false"),
                            (self.benchmark, "records a decode, not a benchmark: leave benchmark=false")):
             if clash:
                 raise ValueError(f"inspect={self.inspect} {why}")
+
+
+    def step_backend(self, device) -> str | None:
+        """How the one-token step is built (CompiledDecodeStep's backend), or None for the eager step.
+        auto captures it as a CUDA graph on CUDA (it pays for itself within a sample: captured in a
+        fraction of a second, then one launch a token), unless a page records the eager decode."""
+        if not self.kv_cache or self.compile is False:
+            return None
+        if self.compile is True:
+            return "inductor"
+        return "cuda_graph" if device.type == "cuda" and not self.inspect else None
 
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
@@ -185,9 +201,10 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         plot_attention(model, ids, labels, cfg.attn_layer, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
     kv_dtype = cfg.cache_dtype
-    decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype) if cfg.compile and cfg.kv_cache else None
+    backend, t0 = cfg.step_backend(device), time.perf_counter()
+    decode_step = backend and CompiledDecodeStep(model, len(prompts), kv_dtype, backend)
     if cfg.benchmark:
-        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype)
+        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, time.perf_counter() - t0)
         return []
 
     if cfg.inspect:
@@ -295,13 +312,14 @@ def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) 
     return texts
 
 
-def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None) -> None:
+def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None, built_s=0.0) -> None:
     """Prefill and decode tokens/s of the batch `prompts` (lists of ids, left-padded into one), with
-    and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it."""
+    and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it;
+    built_s is what building the decode step took (compiling or capturing it)."""
     device, c = model.wte.weight.device, model.config
     idx, pad = left_pad([p[-(c.context_size or len(p)):] for p in prompts], device)
     (B, T), n = idx.shape, max(2, max_new_tokens)
-    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype, pad))  # (and compile)
+    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype, pad))
     rows = []
     for kv_cache in (True, False):
         prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype, pad)
@@ -310,15 +328,15 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
     print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd}, "
           f"{model.wte.weight.dtype}, {device} | batch {B} x prompt {T} tokens"
           f"{' (left-padded)' if pad is not None else ''}, {n} new tokens per row"
-          f"{' | compiled decode step' if decode_step else ''}", file=out)
+          f" | decode step: {decode_step.backend if decode_step else 'eager'}", file=out)
     print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
     for kv_cache, prefill, decode, _ in rows:
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
     print(f"tokens/s count every row: {B} x {T} prompt tokens, {B} x {n - 1} decoded (the first new "
           f"token comes from the prefill)", file=out)
+    built = f"; the decode step was built in {built_s:.2f} s before it (compiled, or captured as a CUDA graph)"
     print(f"warm-up: {warm_up_s:.2f} s, {warm_up_s - rows[0][3]:.2f} s more than a repeat"
-          f"{' (compiling the decode step, or loading it from the on-disk cache)' if decode_step else ''}",
-          file=out)
+          f"{built if decode_step else ''}", file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
     scales = " + one scale per position and K/V head" if cache.quantized else ""
     held = ": the window" * cache.ring + " and sinks" * bool(cache.sinks)

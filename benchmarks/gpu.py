@@ -41,10 +41,14 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import math
 import platform
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -104,7 +108,7 @@ VARIANTS = {  # at GPT-2 small width (12 heads of 64): K/V heads, or MLA's laten
     "MLA": {"mla_latent_dim": 256, "mla_rope_dim": 32},  # DeepSeek-V2's 4x and 0.5x the head width
 }
 BATCHES = [1, 16, 64, 256]
-SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "profile"]
+SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "profile", "coldstart", "exactness"]
 
 
 # ----------------------------------------------------------------------------- results, as they come
@@ -218,7 +222,7 @@ def decode_step_kernels(model: GPT, batch: int) -> list[str]:
     cache.advance(cache.max_len // 2)
     token, pad = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long,
                                                                                        device=device)
-    with torch.no_grad(), SDPACalls() as calls, sdpa_kernel(decode_backends(device), set_priority=True):
+    with torch.no_grad(), SDPACalls() as calls, sdpa_kernel(decode_backends(device, step=True), set_priority=True):
         model.logits_at(token, torch.tensor([cache.length], device=device), cache, pad)
     return calls.kernels
 
@@ -545,7 +549,7 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
                                                                                        device=device)
 
     def one_step():
-        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True):
+        with torch.no_grad(), sdpa_kernel(decode_backends(device, step=True), set_priority=True):
             return model.logits_at(token, input_pos, cache, pad)
 
     step = one_step
@@ -672,20 +676,299 @@ def profile_decode(out: Path, name: str, shape: tuple, device: torch.device, smo
             "tokens/s": 1e3 / ms}
 
 
+# ----------------------------------------------------------------------------- coldstart
+
+NANOGPT = ROOT / ".gpu" / "nanoGPT"  # bash benchmarks/gpu_fetch.sh <nanoGPT checkout> puts it there
+# nanoGPT's char recipe as its README runs it, stopped at 2,500 of its 5,000 steps: its schedule
+# (lr_decay_iters=5000) is unchanged, so the run is the same up to there, and its best val comes
+# at ~1,750 (it overfits after): the time to its best is the same, a minute of GPU time less.
+NANOGPT_ARGS = ["config/train_shakespeare_char.py", "--max_iters=2500"]
+SMOKE_NANOGPT = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--max_iters=4",
+                 "--eval_interval=2", "--eval_iters=2", "--log_interval=1", "--n_layer=1", "--n_head=2",
+                 "--n_embd=32", "--block_size=32", "--batch_size=4", "--dtype=float32"]
+COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a user runs it)
+    "recipe": [],
+    "no compile, no CUDA graph": ["train.compile=false", "train.cuda_graph=false"],
+    "CUDA graph, no compile": ["train.compile=false", "train.cuda_graph=true"],
+    "compiled model, no CUDA graph": ["train.compile=true", "train.cuda_graph=false"],
+    "compiled model in a CUDA graph": ["train.compile=true", "train.cuda_graph=true"],
+    "compiled blocks, no CUDA graph": ["train.compile=blocks", "train.cuda_graph=false"],
+    "compiled blocks in a CUDA graph": ["train.compile=blocks", "train.cuda_graph=true"],
+    "batch 128, 1000 steps": ["train.batch_size=128", "train.max_iters=1000", "train.eval_interval=200"],
+    "fewer evaluations (20 batches every 500 steps)": ["train.eval_iters=20", "train.eval_interval=500"],
+    "no checkpoint writes": ["train.checkpoints=false"],
+}
+COLD_GROUPS = {  # the plan's two commands
+    "first": ["CUDA graph, no compile", "compiled blocks in a CUDA graph", "no compile, no CUDA graph",
+              "compiled model in a CUDA graph", "compiled blocks, no CUDA graph"],
+    "second": ["compiled model, no CUDA graph", "batch 128, 1000 steps",
+               "fewer evaluations (20 batches every 500 steps)", "no checkpoint writes", "recipe",
+               "recipe, warm caches"],
+}
+SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]  # (no CUDA graph on a CPU)
+STEP_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)
+WHOLE_VAL = re.compile(r"val loss ([\d.]+) over the whole val split")
+
+
+def run_whole(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float) -> tuple[float, list]:
+    """A whole process, timed from before it starts to its exit: (wall seconds, [(seconds since the
+    start, text)] of its output, stdout and stderr together, as it came), its output appended to
+    `log`. A process past `timeout` is killed (its row says so)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    chunks = []
+    while data := os.read(proc.stdout.fileno(), 1 << 16):
+        chunks.append((time.perf_counter() - t0, data.decode(errors="replace")))
+    code = proc.wait()
+    wall = time.perf_counter() - t0
+    timer.cancel()
+    with open(log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}  (in {cwd}; exit {code}; {wall:.1f} s)\n" + "".join(c for _, c in chunks))
+    if code:
+        tail = "".join(c for _, c in chunks).strip().splitlines()[-3:]
+        raise RuntimeError(f"exit {code} after {wall:.0f} s: {' | '.join(tail)}"[:300])
+    return wall, chunks
+
+
+def line_times(chunks: list) -> list[tuple[float, str]]:
+    """[(the time its last piece arrived, line)] of a process's output."""
+    lines, pending = [], ""
+    for t, text in chunks:
+        *done, pending = (pending + text).split("\n")
+        lines += [(t, line) for line in done]
+    return lines + ([(chunks[-1][0], pending)] if pending else [])
+
+
+def evaluations(chunks: list) -> list[tuple[float, int, float]]:
+    """[(seconds since the start, step, val loss)] of the `step N: train loss a, val loss b` lines
+    that nanoGPT and we both print."""
+    return [(t, int(m[1]), float(m[2])) for t, line in line_times(chunks) if (m := STEP_LINE.match(line))]
+
+
+def cold_env(caches: Path) -> dict:
+    """The environment of a process whose compile caches (inductor's, Triton's) are in `caches`: an
+    empty folder for a cold start, the previous run's for a warm one."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+            "TRITON_CACHE_DIR": str(caches / "triton")}
+
+
+def floor_row(tmp: Path, log: Path, smoke: bool) -> dict:
+    """The floor every whole process stands on: importing torch and starting CUDA."""
+    code = f"import torch; torch.zeros(1, device={'cpu' if smoke else 'cuda'!r})"
+    wall, _ = run_whole([sys.executable, "-c", code], ROOT, cold_env(tmp / "floor"), log, 120)
+    return {"whole process s": wall, "command": f"python -c \"{code}\""}
+
+
+def nanogpt_row(tmp: Path, log: Path, smoke: bool) -> dict:
+    """nanoGPT's own train.py with its char recipe, cold: when each evaluation came, its best val
+    and when, and its best checkpoint's loss over the whole val split (our split_loss's windows)."""
+    if not (NANOGPT / "data/shakespeare_char/val.bin").is_file():
+        raise FileNotFoundError(f"{NANOGPT} has no prepared nanoGPT: bash benchmarks/gpu_fetch.sh <a checkout>")
+    out_dir = tmp / "nanogpt_out"
+    args = [*(SMOKE_NANOGPT if smoke else NANOGPT_ARGS), f"--out_dir={out_dir}"]
+    wall, chunks = run_whole([sys.executable, "train.py", *args], NANOGPT, cold_env(tmp / "nanogpt"), log, 200)
+    evals = evaluations(chunks)
+    t, step, best = min(evals[1:] or evals, key=lambda e: e[2])
+    reached = next((e for e in evals if e[2] <= TARGET), None)
+    return {"whole process s": wall, "step 0 at s": evals[0][0], "best val (estimate)": best,
+            "best at step": step, "best at s": t, f"to val {TARGET} s": reached and reached[0],
+            "val (whole split, best checkpoint)": nanogpt_split_loss(out_dir / "ckpt.pt", smoke),
+            "command": f"python train.py {' '.join(args[:-1])}"}
+
+
+@torch.no_grad()
+def nanogpt_split_loss(ckpt_path: Path, smoke: bool) -> float:
+    """nanoGPT's checkpoint scored as split_loss scores ours: every target of its val.bin once, in
+    windows of block_size, in bf16 autocast on CUDA as our runs end."""
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("nanogpt_model", NANOGPT / "model.py")
+    nano = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(nano)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)  # (its own format: pickled args)
+    model = nano.GPT(nano.GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+    device = torch.device("cpu" if smoke else "cuda")
+    model.to(device).eval()
+    val = torch.from_numpy(np.fromfile(NANOGPT / "data/shakespeare_char/val.bin", dtype=np.uint16).astype(np.int64))
+    block, n_targets = model.config.block_size, len(val) - 1
+    windows = math.ceil(n_targets / block)
+    x, y = torch.zeros(windows * block, dtype=torch.long), torch.full((windows * block,), -1, dtype=torch.long)
+    x[:n_targets], y[:n_targets] = val[:-1], val[1:]
+    total = 0.0
+    for xb, yb in zip(x.view(windows, block).split(64), y.view(windows, block).split(64)):
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            _, loss = model(xb.to(device), yb.to(device))  # the mean over the batch's real targets
+        total += loss.float().item() * int((yb >= 0).sum())
+    return total / n_targets
+
+
+def ours_row(overrides: list[str], caches: Path, run_dir: Path, log: Path, against: tuple | None) -> dict:
+    """`python train.py <overrides>` as a whole process with the compile caches in `caches`: when
+    step 0's evaluation came, when val first reached 1.4697 and nanoGPT's best (`against`: its val
+    and the seconds it took), the whole process, the whole val split's loss."""
+    wall, chunks = run_whole([sys.executable, "train.py", *overrides, f"hydra.run.dir={run_dir}"], ROOT,
+                             cold_env(caches), log, 180)
+    evals, text = evaluations(chunks), "".join(c for _, c in chunks)
+    whole = WHOLE_VAL.search(text)
+    reached = next((e for e in evals if e[2] <= TARGET), None)
+    row = {"whole process s": wall, "step 0 at s": evals[0][0] if evals else None,
+           f"to val {TARGET} s": reached and reached[0], "val (whole split)": whole and float(whole[1]),
+           "best val (estimate)": min(e[2] for e in evals), "overrides": " ".join(overrides)}
+    if against:
+        beat = next((e for e in evals if e[2] <= against[0]), None)
+        row |= {"to nanoGPT's best s": beat and beat[0], "x nanoGPT's time to its best": beat and beat[0] / against[1]}
+    return row
+
+
+def generate_row(cmd: list[str], prompt: str, new: int, log: Path, caches: Path, floor: float | None) -> dict:
+    """A sampling command as a whole process: when its first new character came (after `prompt`),
+    its characters per second from there (one token each: the char model), the whole process, and
+    how much more than the floor that is."""
+    wall, chunks = run_whole(cmd, ROOT, cold_env(caches), log, 150)
+    text, first = "", None
+    for t, piece in chunks:
+        text += piece
+        if first is None and len(text) > len(prompt):
+            first = t
+    last = chunks[-1][0]
+    return {"whole process s": wall, "first new token at s": first,
+            "tokens/s from the first": (new - 1) / (last - first) if last > first else None,
+            "over the floor s": floor and wall - floor, "command": " ".join(cmd[1:])}
+
+
+def coldstart_section(results: Results, names: list[str], smoke: bool, against: tuple | None) -> None:
+    """Whole processes from a cold compile cache, one after another: the floor (import torch, start
+    CUDA), nanoGPT's train.py (unless `against` gives its best val and seconds already), ours per
+    lever (COLD_LEVERS; 'X, warm caches' runs X again with X's caches), then sampling 500 tokens
+    from the first of our runs' checkpoint: `python generate.py` (default, eager, inductor) and
+    transformers' generate (its static cache) on the same weights. Each process's output goes to
+    coldstart.log."""
+    log = results.out / "coldstart.log"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        floor = measure(results, "coldstart", "floor", lambda: floor_row(tmp, log, smoke))
+        if against is None and smoke and not NANOGPT.is_dir():
+            results.add({"section": "coldstart", "name": "nanoGPT", "skipped": f"no {NANOGPT} (a smoke run)"})
+        elif against is None:
+            nano = measure(results, "coldstart", "nanoGPT", lambda: nanogpt_row(tmp, log, smoke))
+            against = (nano["best val (estimate)"], nano["best at s"]) if "best at s" in nano else None
+        runs = {}
+        for i, name in enumerate(names):
+            lever = name.removesuffix(", warm caches")
+            caches = runs[lever][0] if lever != name and lever in runs else tmp / f"caches{i}"
+            overrides = [*COLD_LEVERS[lever], *(["experiment=shakespeare_char_gpu", *SMOKE_TRAIN] if smoke else [])]
+            runs.setdefault(lever, (caches, tmp / f"run{i}"))
+            measure(results, "coldstart", f"python train.py: {name}",
+                    lambda o=overrides, c=caches, r=tmp / f"run{i}": ours_row(o, c, r, log, against))
+        ckpt = next((r / "best.pt" for _, r in runs.values() if (r / "best.pt").is_file()), None)
+        if ckpt is not None:
+            sampling_rows(results, ckpt, tmp, log, floor.get("whole process s"), smoke)
+
+
+def sampling_rows(results: Results, ckpt: Path, tmp: Path, log: Path, floor: float | None, smoke: bool):
+    """500 tokens from `ckpt` (the char model), whole processes: generate.py three ways, then
+    transformers (benchmarks/hf_generate.py)."""
+    new, device = (20 if smoke else 500), ("cpu" if smoke else "auto")
+    ours = [sys.executable, "generate.py", f"ckpt={ckpt}", f"max_new_tokens={new}", f"device={device}"]
+    for name, extra in {"default": [], "compile=false (eager)": ["compile=false"],
+                        "compile=true (inductor)": [] if smoke else ["compile=true"]}.items():
+        measure(results, "coldstart", f"python generate.py: {name}", lambda e=extra, n=name: generate_row(
+            [*ours, *e], "\n", new, log, tmp / f"gen_{n.split()[0]}", floor))
+    hf = [sys.executable, "benchmarks/hf_generate.py", str(ckpt), "--max-new-tokens", str(new), "--device",
+          device]
+    measure(results, "coldstart", "transformers generate (static cache)",
+            lambda: generate_row(hf, "\n", new, log, tmp / "gen_hf", floor))
+
+
+# ----------------------------------------------------------------------------- exactness
+
+def exactness_section(results: Results, device: torch.device) -> None:
+    """Where the cached and uncached paths on CUDA may part (float32, no TF32; the CUDA check's tiny
+    models): per variant, the SDPA kernel each path's attention calls run, the largest logit
+    difference along the cached path's tokens (teacher-forced), and for seeded sampling the first
+    token that differs, with how close its draw was (the gap between the k-th and (k+1)-th logit
+    that top-k cuts at, and the probabilities of the two tokens)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for name, fields in {"mha": {}, "gqa": {"n_kv_head": 2}, "mqa": {"n_kv_head": 1},
+                             "mqa_cla2": {"n_kv_head": 1, "kv_share": 2}}.items():
+            measure(results, "exactness", name, lambda f=fields: exactness_row(f, device))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+@torch.no_grad()
+def exactness_row(fields: dict, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=37, block_size=24, n_layer=2, n_head=4, n_embd=16, pos_emb="rope",
+                          **fields)).to(device).eval()
+    row = {}
+    for length in (1, 7):
+        prompt = torch.arange(1, length + 1, device=device)[None]                   # (1, length)
+        cached, uncached = (generate(model, prompt, 17, kv_cache=kv, temperature=1.0, top_k=20,
+                                     generator=torch.Generator(device).manual_seed(length)) for kv in (True, False))
+        cache = model.new_kv_cache(1)
+        n, backends = cached.size(1), decode_backends(device)
+        with sdpa_kernel(backends, set_priority=True), SDPACalls() as calls:
+            stepwise = [model(cached[:, :length], kv_cache=cache)[:, -1]]
+            stepwise += [model(cached[:, t - 1:t], kv_cache=cache)[:, -1] for t in range(length + 1, n)]
+        with sdpa_kernel(backends, set_priority=True), SDPACalls() as whole:
+            reference = [model(cached[:, :t])[:, -1] for t in range(length, n)]
+        diffs = [float((a - b).abs().max()) for a, b in zip(stepwise, reference)]
+        differs = (cached != uncached).nonzero()
+        row |= {f"prompt {length}: max |logit diff|": max(diffs),
+                f"prompt {length}: cached kernels": kernels_text(calls.kernels),
+                f"prompt {length}: uncached kernels": kernels_text(whole.kernels)}
+        if len(differs):
+            t = int(differs[0, 1])
+            logits = reference[t - length][0].sort(descending=True).values
+            probs = torch.softmax(reference[t - length][0], -1)
+            row |= {f"prompt {length}: first differing position": t,
+                    f"prompt {length}: top-k gap at it": float(logits[19] - logits[20]),
+                    f"prompt {length}: p(cached token), p(uncached token)":
+                        f"{float(probs[cached[0, t]]):.6f}, {float(probs[uncached[0, t]]):.6f}"}
+    return row
+
+
 # ----------------------------------------------------------------------------- main
+
+def cold_lever_names(names: list[str]) -> list[str]:
+    """--levers for coldstart: groups (COLD_GROUPS) or lever names (COLD_LEVERS, each also as
+    '<name>, warm caches'), in order."""
+    out = []
+    for name in names:
+        if name in COLD_GROUPS:
+            out += COLD_GROUPS[name]
+        elif name.removesuffix(", warm caches") in COLD_LEVERS:
+            out.append(name)
+        else:
+            raise SystemExit(f"error: --levers: {name!r} is not a coldstart group ({', '.join(COLD_GROUPS)}) "
+                             f"or lever ({', '.join(COLD_LEVERS)})")
+    return out
+
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
     parser.add_argument("--section", nargs="+", choices=SECTIONS, default=SECTIONS)
     parser.add_argument("--levers", nargs="+", default=None,
-                        help=f"groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'")
+                        help=f"train: groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'; "
+                             f"coldstart: groups ({', '.join(COLD_GROUPS)}) or lever names")
+    parser.add_argument("--against", nargs=2, type=float, metavar=("VAL", "SECONDS"),
+                        help="coldstart: nanoGPT's best val and its seconds to it, measured by an earlier "
+                             "command (its run is then skipped)")
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no CUDA device: run it on a GPU, or with --smoke")
-    levers = lever_overrides(args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
+    if "train" in args.section and "coldstart" in args.section and args.levers:
+        sys.exit("error: --levers: run the train and coldstart sections in separate commands")
+    levers = "train" in args.section and lever_overrides(args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
+    cold = "coldstart" in args.section and cold_lever_names(args.levers or (SMOKE_COLD if args.smoke else ["first"]))
     results = Results(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke: the numbers mean nothing)"
     print(f"{name}, PyTorch {torch.__version__}; results in {args.out}: results.jsonl, tables.md", flush=True)
@@ -696,7 +979,9 @@ def main(argv=None) -> list[dict]:
          "optimizer": lambda: optimizer_section(results, device, args.smoke),
          "decode": lambda: decode_section(results, device, args.smoke),
          "variants": lambda: variants_section(results, device, args.smoke),
-         "profile": lambda: profile_section(results, device, args.smoke)}[section]()
+         "profile": lambda: profile_section(results, device, args.smoke),
+         "coldstart": lambda: coldstart_section(results, cold, args.smoke, args.against),
+         "exactness": lambda: exactness_section(results, device)}[section]()
     rows = results.rows()[start:]
     print("\n" + render_tables(rows), flush=True)
     failed = [r for r in rows if "error" in r or r.get("same tokens (compiled, eager, uncached)") is False]

@@ -43,6 +43,10 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
         device = pick_device(train_cfg.device)
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
         check_processes(device, local_processes, torch.cuda.device_count() if device.type == "cuda" else 0)
+    processes = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, over every machine
+    if train_cfg.cuda_graph is True and (device.type != "cuda" or processes > 1):
+        raise ValueError(f"train.cuda_graph=true replays a step on one CUDA device, not on {device} with "
+                         f"{processes} process{'es' * (processes > 1)}: leave it auto or false")
     if source is None and cfg.init_from:
         option = f"init_from={cfg.init_from}"
         with naming("init_from"):

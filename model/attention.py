@@ -142,9 +142,10 @@ COMPILE_FROM = 2**18  # int8 numbers read a step from which the compiled kernel 
 
 def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
     """attend_one_query, compiled: traced into the caller's graph, or through its own kernel; run
-    as written over a cache too small for compiling (seconds) to pay off."""
-    small = k.values.numel() < COMPILE_FROM
-    step = attend_one_query if torch.compiler.is_compiling() or small else compiled_attend_one_query()
+    as written over a cache too small for compiling (seconds) to pay off, and while a CUDA graph
+    captures it (dynamo's guards and code are no part of a graph)."""
+    as_written = k.values.numel() < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    step = attend_one_query if torch.compiler.is_compiling() or as_written else compiled_attend_one_query()
     return step(q, k, v, attn_mask, sink_logit, scale)
 
 

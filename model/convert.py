@@ -11,7 +11,8 @@ Checkpoints", §2.1: each new key (value) head is the mean of the original heads
 And `llama_weights`: a GPT with RoPE, RMSNorm, SwiGLU and no biases (the CPU main job's
 architecture) as a Hugging Face Llama's config and state dict, so that transformers can run the
 very same weights (the decode benchmark and the parity tests compare against it); with a sliding
-window, `mistral_weights` (a Mistral); with multi-head latent attention, `deepseek_v3_weights`.
+window, `mistral_weights` (a Mistral); with multi-head latent attention, `deepseek_v3_weights`;
+the GPU recipe's (LayerNorm, GELU, biases, RoPE), `neox_weights` (a GPT-NeoX).
 """
 
 import dataclasses
@@ -89,6 +90,46 @@ def deepseek_v3_weights(model) -> tuple[dict, dict]:
                   layer + "kv_a_proj_with_mqa.weight": attn.kv_down.weight.detach().clone(),
                   layer + "kv_a_layernorm.weight": attn.kv_norm.weight.detach().clone(),
                   layer + "kv_b_proj.weight": torch.cat([w_k, w_v], dim=1).reshape(-1, L)}  # (n_head*2hd, L)
+    return config, state
+
+
+def neox_weights(model) -> tuple[dict, dict]:
+    """(GPTNeoXConfig keyword arguments, GPTNeoXForCausalLM state dict) holding `model`'s weights:
+    the GPU recipe's architecture (nanoGPT's LayerNorm, GELU and biases, with RoPE). GPT-NeoX runs
+    its blocks in sequence (use_parallel_residual=False), rotates the halves as our RoPE does, and
+    fuses q, k and v per head ([q_h, k_h, v_h] for each head h), where ours are [q, k, v] whole."""
+    c = model.config
+    required = {"pos_emb": "rope", "norm": "layernorm", "qk_norm": False, "kv_share": 1, "n_kv_head": c.n_head,
+                "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False}
+    for field, value in required.items():
+        if getattr(c, field) != value:
+            raise ValueError(f"a GPT-NeoX needs model.{field}={'null' if value is None else value}, "
+                             f"this model has {getattr(c, field)!r}")
+    if c.mlp == "swiglu":
+        raise ValueError("a GPT-NeoX needs model.mlp=gelu or gelu_exact, this model has 'swiglu'")
+    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
+              "num_attention_heads": c.n_head, "intermediate_size": 4 * c.n_embd,
+              "hidden_act": "gelu_new" if c.mlp == "gelu" else "gelu", "rotary_pct": 1.0,
+              "rotary_emb_base": 10000.0, "max_position_embeddings": c.block_size,
+              "layer_norm_eps": c.norm_eps, "use_parallel_residual": False, "tie_word_embeddings": c.tie_embeddings,
+              "attention_dropout": 0.0, "hidden_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0}
+    ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    bias = lambda name, n: ours.get(name, torch.zeros(n))  # noqa: E731  (bias=false: zeros)
+    C, hd = c.n_embd, c.head_dim
+    state = {"gpt_neox.embed_in.weight": ours["wte.weight"], "lm_head.weight": ours["lm_head.weight"],
+             "gpt_neox.final_layer_norm.weight": ours["norm_f.weight"],
+             "gpt_neox.final_layer_norm.bias": bias("norm_f.bias", C)}
+    for i in range(c.n_layer):
+        block, layer = f"blocks.{i}.", f"gpt_neox.layers.{i}."
+        qkv = ours[block + "attn.qkv.weight"].view(3, c.n_head, hd, C)            # (q/k/v, head, hd, C)
+        qkv_bias = bias(block + "attn.qkv.bias", 3 * C).view(3, c.n_head, hd)
+        state |= {layer + "attention.query_key_value.weight": qkv.transpose(0, 1).reshape(3 * C, C),
+                  layer + "attention.query_key_value.bias": qkv_bias.transpose(0, 1).reshape(3 * C)}
+        for ours_name, theirs, n in (("norm_1", "input_layernorm", C), ("norm_2", "post_attention_layernorm", C),
+                                     ("attn.proj", "attention.dense", C), ("mlp.fc", "mlp.dense_h_to_4h", 4 * C),
+                                     ("mlp.proj", "mlp.dense_4h_to_h", C)):
+            state |= {layer + theirs + ".weight": ours[block + ours_name + ".weight"],
+                      layer + theirs + ".bias": bias(block + ours_name + ".bias", n)}
     return config, state
 
 

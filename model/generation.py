@@ -12,6 +12,7 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -219,9 +220,11 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # The cache holds the last cache.length tokens; cache_pad (B,) counts the pad slots among them.
-    # The model runs in inference mode (no autograd bookkeeping: ~15% faster a step on a CPU); the
-    # tokens, sampled outside it, are plain tensors a caller may train on.
-    with torch.inference_mode():
+    # The model runs in inference mode (no autograd bookkeeping: ~15% faster a step on a CPU), with
+    # the decode's SDPA kernels (decode_backends: no plan built per key length); the tokens, sampled
+    # outside it, are plain tensors a caller may train on.
+    backends = decode_backends(idx.device)
+    with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], sampling, generator)  # (B,)
@@ -234,7 +237,7 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
             length = history
         tokens[:, length] = token
         length += 1
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
             if cache is None:
                 logits, _ = prefill(model, tokens[:, :length], None, pad)
                 continue
@@ -336,63 +339,120 @@ def make_room(model, tokens, cache, pad, chunk=None):
     return new_pad
 
 
-def decode_backends(device: torch.device) -> list[SDPBackend]:
-    """The SDPA kernels a compiled decode step may use, in the order it prefers them. On CPU, one
-    query against the cache is faster as SDPA's math formulation (which inductor fuses) than through
-    its flash kernel. On CUDA the step always passes a mask (the static cache's unwritten slots),
-    which flash refuses: memory-efficient attention takes it, at any head width that is a multiple
-    of 8 (MLA's 288 too), and `attend` folds GQA's query heads so that it needs no enable_gqa."""
-    if device.type != "cuda":
+def decode_backends(device: torch.device, step: bool = False) -> list[SDPBackend]:
+    """The SDPA kernels every forward pass of a decode may use, in the order it prefers them (`stream`
+    runs each pass under them). On CUDA cuDNN's attention comes last: it builds an execution plan
+    per exact shape (~50 ms each on an H200) and an eager decode's key length grows by one a token,
+    while flash (no mask: a prompt, one query over a plain cache) and memory-efficient attention
+    (a mask: the compiled step's unwritten slots, padding, a ring) take every length as it comes, at
+    any head width that is a multiple of 8 (MLA's 288 too); `attend` folds GQA's query heads so
+    that none needs enable_gqa. A compiled `step` on a CPU uses SDPA's math formulation: one query
+    against the cache is faster so (inductor fuses it) than through the CPU's flash kernel."""
+    if step and device.type == "cpu":
         return [SDPBackend.MATH]
-    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
             SDPBackend.MATH]
 
 
+STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")
+
+
 class CompiledDecodeStep:
-    """The one-token step compiled once for a model, with one static KV cache (block_size slots per
-    layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every `stream` given
-    this step reuses. Nothing the graph reads changes shape or address: the cache, the token, the
-    pad and the position are tensors allocated here and written in place (`stream` fills the rows a
-    smaller batch leaves free; their outputs are dropped). So every prompt length, number of new
-    tokens and batch up to batch_size runs the one graph, and on CUDA it is a CUDA graph: the
-    static buffers are graph inputs that replay in place. `backend` is torch.compile's: inductor
-    generates the step's code; aot_eager traces the same graph and runs it eagerly (a quick check
-    of the step without the seconds of code generation, as the GPU plan's smoke run uses)."""
+    """The one-token step built once for a model, with one static KV cache (block_size slots per
+    layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
+    `stream` given this step reuses. Nothing the step reads changes shape or address: the cache, the
+    token, the pad and the position are tensors allocated here and written in place (`stream` fills
+    the rows a smaller batch leaves free; their outputs are dropped). So every prompt length, number
+    of new tokens and batch up to batch_size runs one graph. `backend` says how it is built:
+
+        cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
+                    generated, captured in well under a second; `generate.py`'s default on CUDA
+        inductor    torch.compile generates the step's code (fused kernels), on CUDA replayed as a
+                    CUDA graph too: seconds to compile, the fastest step once compiled
+        aot_eager   torch.compile traces the same graph and runs it eagerly: a quick check of the
+                    traced step (tests, the GPU plan's smoke run)
+
+    The step is built and run once when made (compiling, capturing), so that whatever that prints
+    comes before a sample's text."""
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor"):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
+        if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
+            raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
+                             f"{backend!r} for a model on {device.type}")
         self.model = model
         self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
-        for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
-                       self.input_pos]:
-            torch._dynamo.mark_static_address(buffer)
-        self.on_cuda, backends = device.type == "cuda", decode_backends(device)
+        self.backend, backends = backend, decode_backends(device, step=True)
+        self.inputs = (self.token, self.input_pos, self.cache, self.pad)
 
         def logits_at(token, input_pos, cache, pad):
             with sdpa_kernel(backends, set_priority=True):
                 return model.logits_at(token, input_pos, cache, pad)
 
+        with warnings.catch_warnings(), torch.inference_mode():
+            # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
+            warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
+            if backend == "cuda_graph":
+                self.run = self.captured(logits_at)
+            else:
+                self.run = self.compiled(logits_at, backend)
+                self(self.token, self.cache)  # compiled now, not at a sample's first token
+                self.cache.reset()
+
+    def compiled(self, logits_at, backend: str):
+        """logits_at compiled by torch.compile's `backend` (on CUDA with inductor, as CUDA graphs)."""
+        for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
+                       self.input_pos]:
+            torch._dynamo.mark_static_address(buffer)
         # A code object of its own: dynamo keeps the graphs of one code object together, up to its
         # recompile limit (8; with fullgraph, the 9th is an error), and every step of another model
         # shape or batch size would add one to a shared one. Each step has exactly one graph.
         logits_at.__code__ = logits_at.__code__.replace()
-        mode = "reduce-overhead" if self.on_cuda and backend == "inductor" else None
-        self.compiled = torch.compile(logits_at, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+        on_cuda = self.token.device.type == "cuda"
+        mode = "reduce-overhead" if on_cuda and backend == "inductor" else None
+        step = torch.compile(logits_at, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+
+        def run():
+            if on_cuda:
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been read
+            return step(*self.inputs)
+
+        return run
+
+    def captured(self, logits_at):
+        """logits_at captured as a CUDA graph over the static inputs: warmed up on a side stream (as
+        capturing needs: lazy initialisations, an int8 cache's kernel compiled), then recorded once;
+        each call replays it, its logits written to the same tensor."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                logits_at(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = logits_at(*self.inputs)                             # (batch_size, 1, vocab)
+        self.graph = graph  # (kept alive with its memory pool)
+
+        def run():
+            graph.replay()
+            return logits
+
+        return run
 
     def __call__(self, token, cache, pad=None):
-        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length."""
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length: read them
+        before the next call, which writes over them."""
         B = token.size(0)
         self.token[:B] = token
         self.pad[:B] = 0 if pad is None else pad
         self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
-        if self.on_cuda:
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been read
-        logits = self.compiled(self.token, self.input_pos, cache, self.pad)  # (batch_size, 1, vocab)
+        logits = self.run()                                              # (batch_size, 1, vocab)
         cache.advance(1)
         return logits[:B, -1]
 

@@ -118,6 +118,7 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["inspect=a.html", "max_new_tokens=0"], "inspect=a.html shows new tokens: give max_new_tokens >= 1"),
     (["inspect=a.html", "compile=true"], "inspect=a.html records the eager decode step: leave compile=false"),
     (["inspect=a.html", "benchmark=true"], "inspect=a.html records a decode, not a benchmark"),
+    (["compile=fast"], "compile must be one of auto, true, false, got 'fast'"),
     (["inspect=a.html", "prompt_file=README.md"], "inspect=a.html shows one sample: give one prompt, not a "
                                                   "prompt_file of"),
     (["inspect=a.html", "max_new_tokens=100000"], "inspect=a.html: max_new_tokens=100000 would record "

@@ -1,21 +1,27 @@
 """The CUDA checks, run with `pytest --gpu tests/test_gpu.py` (the GPU plan's last command; without
 --gpu they are skipped and the suite hides CUDA): the decode step gets a fused SDPA kernel for every
-attention variant and gives the eager and uncached paths' tokens on CUDA, the training step gets
-flash, a torchrun job with more processes than GPUs is refused in one line, MFU's peak is read from
-the GPU's name, and BatchedMuon steps as PyTorch's Muon."""
+attention variant, the static step (a CUDA graph, or compiled) gives the eager step's tokens and the
+uncached path's logits, the training step gets flash and as a CUDA graph trains as run as written,
+a run with it resumes and samples with no warning in the text, a torchrun job with more processes
+than GPUs is refused in one line, MFU's peak is read from the GPU's name, and BatchedMuon steps as
+PyTorch's Muon."""
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.nn.attention import sdpa_kernel
 
 from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, variant_model
+from data.batches import Batches
 from model import GPT, GPTConfig
-from model.generation import CompiledDecodeStep, generate
-from tests.helpers import ROOT, clean_env, tiny_model
+from model.generation import CompiledDecodeStep, decode_backends, generate
+from tests.helpers import ROOT, clean_env, compose, tiny_model, train_checked
 from tests.model.test_generation import DECODE_VARIANTS
-from training.optimizer import BatchedMuon
+from training.optimizer import BatchedMuon, configure_optimizer
+from training.step import TrainStep
 from training.throughput import PEAK_BF16_TFLOPS, Throughput, peak_tflops
 
 pytestmark = pytest.mark.gpu  # (conftest: run with --gpu only, on a machine with CUDA)
@@ -37,27 +43,51 @@ def test_the_recipes_training_step_gets_flash():
     assert set(training_kernels(model.to(torch.bfloat16), 4)) == {"flash"}
 
 
-@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
-def test_the_compiled_step_on_cuda_gives_the_eager_and_uncached_tokens(variant):
-    """float32 (no TF32), greedy and seeded, two calls with prompts of two lengths, as on the CPU."""
+@pytest.fixture
+def float32_matmuls():
+    """float32 matmuls as float32 (no TF32) for the test."""
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    try:
-        model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA)
-        kv_dtype = torch.int8 if "int8" in variant else None
-        step = CompiledDecodeStep(model, kv_dtype=kv_dtype)
-        for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
-            for length in (1, 7):
-                prompt = torch.arange(1, length + 1, device=CUDA)[None]          # (1, length)
-                generator = lambda: torch.Generator(CUDA).manual_seed(length)  # noqa: B023
-                outs = [generate(model, prompt, 30, kv_cache=cache, decode_step=decode_step,
-                                 kv_dtype=kv_dtype, generator=generator(), **kw)
-                        for cache, decode_step in ((True, step), (True, None), (False, None))]
-                assert torch.equal(outs[0], outs[1]), (kw, length, "compiled vs eager")
-                if kv_dtype is None:  # an int8 cache rounds what the uncached path keeps exact
-                    assert torch.equal(outs[0], outs[2]), (kw, length, "compiled vs uncached")
-    finally:
-        torch.set_float32_matmul_precision(precision)
+    yield
+    torch.set_float32_matmul_precision(precision)
+
+
+INDUCTOR = ["mqa", "gqa int8 cache"]  # (an inductor compile each: the rest run the CUDA-graph step)
+
+
+@pytest.mark.parametrize("backend", ["cuda_graph", "inductor"])
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
+def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(variant, backend,
+                                                                                  float32_matmuls):
+    """float32, greedy and seeded, two calls with prompts of two lengths. The static step (captured
+    as a CUDA graph, or compiled) runs the eager step's kernels: the same tokens, seeded too. The
+    uncached reference runs others (the whole context at once: flash or math, where the step runs
+    memory-efficient attention over a mask), so it agrees to float rounding: the same greedy tokens,
+    and along the sampled tokens logits within 1e-5; a seeded draw may part where its uniform falls
+    within that rounding of a boundary (benchmarks/gpu.py --section exactness shows where)."""
+    if backend == "inductor" and variant not in INDUCTOR:
+        pytest.skip("compiled with inductor for " + ", ".join(INDUCTOR) + " only (seconds each)")
+    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA)
+    kv_dtype = torch.int8 if "int8" in variant else None
+    step = CompiledDecodeStep(model, kv_dtype=kv_dtype, backend=backend)
+    for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
+        for length in (1, 7):
+            prompt = torch.arange(1, length + 1, device=CUDA)[None]          # (1, length)
+            generator = lambda: torch.Generator(CUDA).manual_seed(length)  # noqa: B023
+            outs = [generate(model, prompt, 30, kv_cache=cache, decode_step=decode_step,
+                             kv_dtype=kv_dtype, generator=generator(), **kw)
+                    for cache, decode_step in ((True, step), (True, None), (False, None))]
+            assert torch.equal(outs[0], outs[1]), (kw, length, "static vs eager step")
+            if kv_dtype is not None:  # an int8 cache rounds what the uncached path keeps exact
+                continue
+            if kw["temperature"] == 0:
+                assert torch.equal(outs[0], outs[2]), (length, "greedy: cached vs uncached")
+            tokens, cache = outs[0], model.new_kv_cache(1)                  # (1, length + 30)
+            with torch.no_grad(), sdpa_kernel(decode_backends(CUDA), set_priority=True):  # as `stream`
+                cached = [model(tokens[:, :length], kv_cache=cache)[0, -1]]
+                cached += [model(tokens[:, t:t + 1], kv_cache=cache)[0, -1] for t in range(length, 30 + length - 1)]
+                uncached = [model(tokens[:, :t])[0, -1] for t in range(length, 30 + length)]
+            torch.testing.assert_close(torch.stack(cached), torch.stack(uncached), atol=1e-5, rtol=0)
 
 
 def test_torchrun_with_more_processes_than_gpus_is_one_line(tmp_path):
@@ -99,3 +129,47 @@ def test_batched_muon_on_cuda_steps_as_torch_muon():
     for p, c in zip(params, copies):
         step = kw["lr"] * 0.2 * max(p.shape) ** 0.5
         assert (p - c).abs().max() < 0.05 * step
+
+
+def steps_of(graph: bool, compile, n: int = 6):
+    """n steps of the recipe's step (bf16 autocast, clipping, fused AdamW, a changing learning rate,
+    2 micro-batches) from the same weights and batches: (the losses, the weights after)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64, pos_emb="rope")).to(CUDA)
+    if compile == "blocks":
+        for block in model.blocks:
+            block.compile()
+    optimizer = configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1)
+    batches = Batches(torch.randint(0, 65, (10_000,)).numpy(), 64, 8, device=CUDA, seed=0)
+    cfg = SimpleNamespace(grad_accum=2, grad_clip=1.0, batch_size=8)
+    amp = torch.autocast("cuda", torch.bfloat16, cache_enabled=False)
+    step = TrainStep(model, model, optimizer, batches, cfg, amp, slice(None), graph=graph)
+    losses = [step(1e-3 * (i + 1)).item() for i in range(n)]
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compile", [False, "blocks"])
+def test_the_training_step_as_a_cuda_graph_trains_as_the_step_run_as_written(compile):
+    """No dropout: the graph replays the very kernels the step runs, so the same losses and weights;
+    its warm-up leaves no trace (the first loss is the eager first loss, from the same weights)."""
+    (eager_losses, eager_weights), (graph_losses, graph_weights) = (steps_of(g, compile) for g in (False, True))
+    assert graph_losses == eager_losses
+    assert all(torch.equal(a, b) for a, b in zip(graph_weights, eager_weights))
+
+
+def test_a_run_with_the_cuda_graph_step_resumes_and_samples_without_a_warning_in_the_text(tiny_run, tmp_path):
+    """The loop with train.cuda_graph (auto on CUDA): it trains, its checkpoint resumes, and
+    `python generate.py dtype=float32 compile=true` on it prints the sample with nothing (inductor's
+    TF32 advice) inside its text, stderr and stdout together as a terminal shows them."""
+    adamw = ["train.optimizer=adamw", "train.compile=false"]  # (the tiny run's CPU recipe has Muon)
+    run = train_checked(compose(*tiny_run, *adamw, "train.max_iters=8"), tmp_path / "a")
+    assert run["step"] == 8
+    resumed = train_checked(compose(*tiny_run, *adamw, f"train.resume={tmp_path / 'a'}", "train.max_iters=12"),
+                            tmp_path / "b")
+    assert resumed["step"] == 12
+    result = subprocess.run([sys.executable, "generate.py", f"ckpt={tmp_path / 'a'}", "dtype=float32", "compile=true",
+                             "prompt=ROMEO:", "max_new_tokens=40"], cwd=ROOT, env=clean_env(), timeout=300,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert result.returncode == 0, result.stdout[-3000:]
+    sample = result.stdout[result.stdout.index("ROMEO:"):]
+    assert "Warning" not in sample and len(sample) >= 46, result.stdout[-3000:]

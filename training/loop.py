@@ -33,6 +33,7 @@ from training.run_dir import (
     remove_stale_temp_files,
     stop_requests,
 )
+from training.step import TrainStep, portable_state
 from training.throughput import Throughput, autocast
 
 # ----------------------------------------------------------------------------- model and optimizer
@@ -42,7 +43,7 @@ class TrainingState:
     """What the loop advances and a checkpoint saves."""
 
     model: GPT                    # the plain model, not its compiled or DDP wrapper
-    compiled: torch.nn.Module     # the model as it runs: compiled, or the plain one
+    compiled: torch.nn.Module     # the model as the training step runs it: compiled, or the plain one
     optimizer: torch.optim.Optimizer
     batches: Batches              # the training batches, whose RNG state is saved
     run: RunConfig
@@ -61,7 +62,7 @@ class TrainingState:
             checkpoint.save(path, checkpoint.Checkpoint(
                 model=self.model.state_dict(), model_config=self.model.config, data_meta=self.run.meta,
                 config=self.run.config, step=self.step, best_val=self.best_val,
-                optimizer=self.optimizer.state_dict(),
+                optimizer=portable_state(self.optimizer),
                 rng={"processes": processes, "batches": self.batches.state_dict()}))
         return path
 
@@ -86,8 +87,7 @@ def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
                       device=device, seed=cfg.seed, on_device=run.data.on_device)
     train_batches = batches(train_tokens)
     eval_batches = {"train": batches(train_batches.tokens), "val": batches(val_tokens)}  # same at every eval
-    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
-    state = TrainingState(model, torch.compile(model) if compiled else model, optimizer, train_batches,
+    state = TrainingState(model, compiled_model(model, cfg.compile, device), optimizer, train_batches,
                           run, run_dir, device, rank)
     if cfg.resume:
         optimizer.load_state_dict(run.source.optimizer)
@@ -104,6 +104,30 @@ def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
            f"{len(train_tokens):,} train tokens | {run.tokens_per_step(world_size):,} tokens/step on "
            f"{world_size} x {device} | run dir: {run_dir}")
     return state, stepped, eval_batches
+
+
+def compiled_model(model: GPT, compile, device: torch.device) -> torch.nn.Module:
+    """What the training step runs, as train.compile says: the model (false), the model compiled
+    (true; auto on CUDA), or the model with each Block compiled (blocks): one graph that every layer
+    reuses, so compiling costs one layer's time. Evaluations and the sample run the model eagerly
+    (`eager`): no second graph to compile for eval mode, as nanochat does."""
+    if compile == "blocks":
+        for block in model.blocks:
+            block.compile()
+        return model
+    return torch.compile(model) if compile is True or (compile == "auto" and device.type == "cuda") else model
+
+
+def eager(state: "TrainingState"):
+    """A context that runs the plain model eagerly, also where its blocks were compiled in place."""
+    return torch.compiler.set_stance("force_eager") if state.run.train.compile == "blocks" else nullcontext()
+
+
+def uses_cuda_graph(cfg: TrainConfig, device: torch.device, world_size: int) -> bool:
+    """train.cuda_graph: true, or auto on CUDA for one process with AdamW (cli.options refuses the
+    rest for true: DDP's hooks and Muon's Python-side step do not replay)."""
+    return cfg.cuda_graph is True or (cfg.cuda_graph == "auto" and device.type == "cuda" and world_size == 1
+                                      and cfg.optimizer == "adamw")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -130,6 +154,8 @@ def train(run: RunConfig, run_dir) -> dict:
         log = MetricsLog(run_dir, run.config, rank == 0, run.source.step if cfg.resume else 0, cfg.max_iters)
         state, model, eval_batches = build(run, run_dir, device, rank, world_size)
         amp, rows = autocast(device, cfg.dtype), slice(rank * cfg.batch_size, (rank + 1) * cfg.batch_size)
+        step = TrainStep(state.model, model, state.optimizer, state.batches, cfg, amp, rows,
+                         uses_cuda_graph(cfg, device, world_size), world_size)
         speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(), world_size,
                            cfg.peak_tflops and cfg.peak_tflops * 1e12)  # None: a GPU's from its name
         with stop_requests() as stop:
@@ -140,18 +166,7 @@ def train(run: RunConfig, run_dir) -> dict:
                 if state.step == cfg.max_iters:
                     break
                 lr = lr_at(state.step, cfg)
-                for group in state.optimizer.param_groups:
-                    group["lr"] = lr
-                for micro in range(cfg.grad_accum):
-                    x, y = state.batches.next()
-                    last_micro = micro == cfg.grad_accum - 1  # DDP syncs gradients only then
-                    with model.no_sync() if world_size > 1 and not last_micro else nullcontext(), amp:
-                        _, loss = model(x[rows], y[rows])
-                    (loss / cfg.grad_accum).backward()
-                if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                state.optimizer.step()
-                state.optimizer.zero_grad(set_to_none=True)
+                loss = step(lr)
                 state.step += 1
                 speed.step_done()
                 if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
@@ -172,7 +187,8 @@ def train(run: RunConfig, run_dir) -> dict:
 def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: MetricsLog) -> None:
     """Evaluate on the fixed batches (each rank its rows); save best.pt if val improved, and ckpt.pt."""
     cfg = state.run.train
-    losses = estimate_loss(state.compiled, eval_batches, cfg.eval_iters, cfg.seed, amp, rows)
+    with eager(state):
+        losses = estimate_loss(state.model, eval_batches, cfg.eval_iters, cfg.seed, amp, rows)
     log.record({"step": state.step, "train_loss": losses["train"], "val_loss": losses["val"]})
     print0(f"step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not math.isfinite(losses["val"]):
@@ -190,7 +206,9 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     stop.on_any_rank(state.device)  # a signal since the loop's last check: every rank agrees
     if state.rank == 0 and not stop and cfg.full_val:
         _, _, val_tokens = load_prepared(state.run.data_dir)  # batch_size windows at once, as training
-        full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp, cfg.batch_size)
+        with eager(state):
+            full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp,
+                                  cfg.batch_size)
         log.record({"step": state.step, "val_loss_full": full_val})
         print0(f"step {state.step}: val loss {full_val:.4f} over the whole val split "
                f"({len(val_tokens):,} tokens)")
@@ -204,7 +222,8 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
         plot_losses(run_dir, run_dir / "loss.png")
         if cfg.sample_tokens > 0:
             tok = tokenizer_from_meta(state.run.meta)
-            ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
+            with eager(state):
+                ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
             print0(f"--- sample ---{tok.decode(ids)}\n--- end of sample ---")
     best = run_dir / "best.pt" if (run_dir / "best.pt").is_file() else state.last_saved  # resumed, not beaten
     note = " (from before the resume)" if best and best.name != "best.pt" else ""

@@ -9,12 +9,14 @@ from model.device import DTYPES, synchronized_clock
 
 
 def autocast(device: torch.device, dtype: str = "auto"):
-    """The training precision: bf16 autocast on CUDA by default, plain float32 on the CPU and MPS."""
+    """The training precision: bf16 autocast on CUDA by default, plain float32 on the CPU and MPS.
+    Without autocast's cache of cast weights: each forward casts each weight once anyway, and a
+    cache that outlives a CUDA graph's capture would hand the graph's memory to later steps."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     if DTYPES[dtype] == torch.float32:
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
 
 
 # Dense bf16 peaks (TFLOP/s, NVIDIA's datasheets), matched in this order in the device's name:

@@ -104,13 +104,14 @@ def test_the_default_recipe_follows_the_training_device(argv, cuda, recipe, caps
     ("train.max_iters=-5", "train.max_iters"), ("train.min_lr=-1", "train.min_lr"),
     ("train.lr=0", "train.lr"), ("train.beta2=1.0", "train.beta2"), ("train.dtype=float16", "train.dtype"),
     ("train.compile=maybe", "train.compile"), ("train.compile=1", "train.compile"),
+    ("train.cuda_graph=blocks", "train.cuda_graph"), ("train.cuda_graph=true train.optimizer=muon", "train.cuda_graph"),
     ("data.val_fraction=1.5", "data.val_fraction"), ("train.min_lr=0.5", "train.min_lr"),
     ("train.lr=nan", "train.lr"), ("train.device=tpu", "train.device"),
     ("train.device=cuda:x", "train.device"),
     ("data.tokenizer=words", "data.tokenizer"), ("train.optimizer=sgd", "train.optimizer"),
 ])
 def test_out_of_range_values_name_the_field(override, field):
-    cfg = compose("experiment=shakespeare_char_cpu", override)
+    cfg = compose("experiment=shakespeare_char_cpu", *override.split())
     group = field.split(".")[0]
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         OmegaConf.to_object(cfg[group])
@@ -121,6 +122,7 @@ def test_out_of_range_values_name_the_field(override, field):
     ("max_new_tokens=-1", "max_new_tokens"), ("num_samples=0", "num_samples"), ("dtype=float16", "dtype"),
     ("quantize=int4", "quantize"), ("ckpt=''", "ckpt"), ("prompt=''", "prompt"), ("device=tpu", "device"),
     ("temperature=nan", "temperature"), ("attn_plot=/nonexistent/a.png", "attn_plot"),
+    ("compile=fast", "compile"),
 ])
 def test_out_of_range_generate_options_name_the_option(override, field):
     with pytest.raises((ValueError, OSError), match=field):

@@ -222,9 +222,9 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     model, _ = load_model(tiny_ckpt, "cpu")
     window = tiny_model(pos_emb="rope", attn_window=6)
     window_eager = generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0]
-    step = CompiledDecodeStep(model, batch_size=3, backend="aot_eager")
-    buffers = [t.data_ptr() for t in step.cache.buffers]
     graphs = counters["stats"]["unique_graphs"]  # dynamo's count since the process started
+    step = CompiledDecodeStep(model, batch_size=3, backend="aot_eager")  # (traced when made)
+    buffers = [t.data_ptr() for t in step.cache.buffers]
     rng = random.Random(0)
     with torch._dynamo.config.patch(error_on_recompile=True):
         for call in range(10):
@@ -260,14 +260,56 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
     assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
 
 
-def test_the_compiled_steps_backends_are_a_list_on_every_device():
-    """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable); on CUDA
-    the first takes the step's mask (flash refuses any), and math is the last resort."""
+def test_the_decode_backends_put_cudnn_after_every_kernel_that_takes_any_length():
+    """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable). cuDNN, which
+    builds a plan per exact shape, comes after flash and memory-efficient attention, math last; a
+    compiled step on a CPU uses math alone."""
     for device in ("cpu", "cuda"):
         backends = decode_backends(torch.device(device))
         assert backends and all(isinstance(b, SDPBackend) for b in backends)
-    cuda = decode_backends(torch.device("cuda"))
-    assert cuda[0] == SDPBackend.EFFICIENT_ATTENTION and cuda[-1] == SDPBackend.MATH
+        assert backends.index(SDPBackend.CUDNN_ATTENTION) > max(backends.index(SDPBackend.FLASH_ATTENTION),
+                                                                backends.index(SDPBackend.EFFICIENT_ATTENTION))
+        assert backends[-1] == SDPBackend.MATH
+    assert decode_backends(torch.device("cpu"), step=True) == [SDPBackend.MATH]
+    assert decode_backends(torch.device("cuda"), step=True) == decode_backends(torch.device("cuda"))
+
+
+class SDPAPriorities(SDPACalls):
+    """SDPACalls that also keeps, per call, the SDPA priority order in force (SDPBackend members)."""
+
+    def __init__(self):
+        super().__init__()
+        self.orders = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.orders.append([SDPBackend(b) for b in torch._C._get_sdp_priority_order()])
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+HOPPER_DEFAULT = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.MATH]  # PyTorch >= 2.9's order on an H100/H200: cuDNN first
+DECODE_PATHS = {"one shot": {}, "prefill chunks": {"prefill_chunk": 3}, "batched, left-padded": {},
+                "refills past block_size": {"max_new_tokens": 40}, "num_samples (a shared prefix)": {},
+                "window ring": {}, "no cache": {"kv_cache": False}}
+
+
+@pytest.mark.parametrize("path", DECODE_PATHS, ids=DECODE_PATHS.keys())
+def test_every_sdpa_call_of_a_decode_runs_under_the_decode_priority(path):
+    """Where a GPU's default priority puts cuDNN first (which builds a plan per key length, ~50 ms
+    each), every attention call a decode makes still prefers kernels that take any length: prefill,
+    chunks, padded rows, refills, shared prefixes, rings, and the uncached reference."""
+    model = tiny_model(pos_emb="rope", attn_window=5 if path == "window ring" else None)
+    prompts = {"batched, left-padded": [[1, 2, 3, 4, 5], [6, 7]],
+               "num_samples (a shared prefix)": [[1, 2, 3, 4]] * 3}.get(path, [[1, 2, 3, 4, 5]])
+    options = {"max_new_tokens": 12} | DECODE_PATHS[path]
+    with sdpa_kernel(HOPPER_DEFAULT, set_priority=True), SDPAPriorities() as calls:
+        generate(model, prompts, options.pop("max_new_tokens"), temperature=1.0,
+                 generator=torch.Generator().manual_seed(0), **options)
+    assert len(calls.orders) >= 12 * model.config.n_layer
+    for order in calls.orders:
+        assert order.index(SDPBackend.CUDNN_ATTENTION) > order.index(SDPBackend.FLASH_ATTENTION), order
+        assert order.index(SDPBackend.CUDNN_ATTENTION) > order.index(SDPBackend.EFFICIENT_ATTENTION), order
 
 
 DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], "mla": ATTENTION["mla"],
@@ -291,7 +333,7 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
         model(torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)), kv_cache=cache)
         for _ in range(15):
             input_pos, same_cache = torch.tensor([cache.length]), copy.deepcopy(cache)
-            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True):
+            with sdpa_kernel(decode_backends(torch.device("cpu"), step=True), set_priority=True):
                 logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
             reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
             torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
@@ -364,12 +406,14 @@ def test_a_cache_stores_only_its_dtypes_given_by_dtype_or_name():
                          ({"batch_size": 1, "dtype": torch.int64}, "dtype must be one of float32")]:
         with pytest.raises(ValueError, match=message):
             model.new_kv_cache(**bad)
-    other = CompiledDecodeStep(tiny_model(seed=1), batch_size=2)
+    other = CompiledDecodeStep(tiny_model(seed=1), batch_size=2, backend="aot_eager")
     with pytest.raises(ValueError, match="built for this model"):  # another model's step
         generate(model, idx, 2, decode_step=other)
-    float32_step = CompiledDecodeStep(model, batch_size=2)
+    float32_step = CompiledDecodeStep(model, batch_size=2, backend="aot_eager")
     with pytest.raises(ValueError, match="kv_dtype=torch.int8, but the decode step.s cache stores"):
         generate(model, idx, 2, decode_step=float32_step, kv_dtype="int8")
+    with pytest.raises(ValueError, match="cuda_graph on CUDA"):  # a CUDA graph of a model on the CPU
+        CompiledDecodeStep(model, backend="cuda_graph")
 
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-40, 1e-46, 5e-324])

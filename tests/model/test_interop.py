@@ -231,3 +231,24 @@ def test_learned_sinks_match_transformers_gpt_oss_attention(layer_idx, window, b
         expected, _ = hf(x, GptOssRotaryEmbedding(hf_config)(x, positions[None]), mask)
         out, _ = attn(x, rope=rope_angles(positions, config.head_dim))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_gpu_recipes_architecture_matches_transformers_gpt_neox(bias):
+    """LayerNorm, GELU (tanh), RoPE over the whole head, biases or none: GPT-NeoX's logits, and its
+    greedy tokens with our cache."""
+    from model import convert
+
+    model = tiny_model(pos_emb="rope", bias=bias, n_embd=32, vocab_size=65)
+    with torch.no_grad():
+        for p in model.parameters():  # biases and norms away from their initial zeros and ones
+            p.add_(torch.randn_like(p) * 0.02)
+    config, state = convert.neox_weights(model)
+    hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**config)).eval()
+    hf.load_state_dict(state)
+    idx = torch.randint(0, 65, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-5, rtol=0)
+    ours = generate(model, idx[:, :5], 12, temperature=0)
+    theirs = hf.generate(idx[:, :5], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
