@@ -695,15 +695,16 @@ COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a us
     "compiled blocks, no CUDA graph": ["train.compile=blocks", "train.cuda_graph=false"],
     "compiled blocks in a CUDA graph": ["train.compile=blocks", "train.cuda_graph=true"],
     "batch 128, 1000 steps": ["train.batch_size=128", "train.max_iters=1000", "train.eval_interval=200"],
+    "batch 128, 600 steps": ["train.batch_size=128", "train.max_iters=600", "train.eval_interval=200"],
+    "1250 steps": ["train.max_iters=1250"],
     "fewer evaluations (20 batches every 500 steps)": ["train.eval_iters=20", "train.eval_interval=500"],
     "no checkpoint writes": ["train.checkpoints=false"],
 }
 COLD_GROUPS = {  # the plan's two commands
     "first": ["CUDA graph, no compile", "compiled blocks in a CUDA graph", "no compile, no CUDA graph",
               "compiled model in a CUDA graph", "compiled blocks, no CUDA graph"],
-    "second": ["compiled model, no CUDA graph", "batch 128, 1000 steps",
-               "fewer evaluations (20 batches every 500 steps)", "no checkpoint writes", "recipe",
-               "recipe, warm caches"],
+    "second": ["recipe", "recipe, warm caches", "1250 steps", "batch 128, 600 steps"],
+    "extra": ["no checkpoint writes", "compiled model, no CUDA graph"],
 }
 SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]  # (no CUDA graph on a CPU)
 STEP_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)
@@ -813,7 +814,10 @@ def ours_row(overrides: list[str], caches: Path, run_dir: Path, log: Path, again
     evals, text = evaluations(chunks), "".join(c for _, c in chunks)
     whole = WHOLE_VAL.search(text)
     reached = next((e for e in evals if e[2] <= TARGET), None)
-    row = {"whole process s": wall, "step 0 at s": evals[0][0] if evals else None,
+    at = lambda prefix: next((t for t, line in line_times(chunks) if line.startswith(prefix)), None)  # noqa: E731
+    row = {"built at s": at("model: "), "step 0 at s": evals[0][0] if evals else None,
+           "last evaluation at s": evals[-1][0] if evals else None, "whole val at s": at(f"step {evals[-1][1]}: val loss"),
+           "sample at s": at("--- end of sample ---"), "whole process s": wall,
            f"to val {TARGET} s": reached and reached[0], "val (whole split)": whole and float(whole[1]),
            "best val (estimate)": min(e[2] for e in evals), "overrides": " ".join(overrides)}
     if against:
@@ -838,7 +842,8 @@ def generate_row(cmd: list[str], prompt: str, new: int, log: Path, caches: Path,
             "over the floor s": floor and wall - floor, "command": " ".join(cmd[1:])}
 
 
-def coldstart_section(results: Results, names: list[str], smoke: bool, against: tuple | None) -> None:
+def coldstart_section(results: Results, names: list[str], smoke: bool, against: tuple | None,
+                      sampling: str = "all") -> None:
     """Whole processes from a cold compile cache, one after another: the floor (import torch, start
     CUDA), nanoGPT's train.py (unless `against` gives its best val and seconds already), ours per
     lever (COLD_LEVERS; 'X, warm caches' runs X again with X's caches), then sampling 500 tokens
@@ -863,23 +868,58 @@ def coldstart_section(results: Results, names: list[str], smoke: bool, against: 
             measure(results, "coldstart", f"python train.py: {name}",
                     lambda o=overrides, c=caches, r=tmp / f"run{i}": ours_row(o, c, r, log, against))
         ckpt = next((r / "best.pt" for _, r in runs.values() if (r / "best.pt").is_file()), None)
-        if ckpt is not None:
-            sampling_rows(results, ckpt, tmp, log, floor.get("whole process s"), smoke)
+        if ckpt is not None and sampling != "none":
+            sampling_rows(results, ckpt, tmp, log, floor.get("whole process s"), smoke, sampling == "all")
 
 
-def sampling_rows(results: Results, ckpt: Path, tmp: Path, log: Path, floor: float | None, smoke: bool):
-    """500 tokens from `ckpt` (the char model), whole processes: generate.py three ways, then
-    transformers (benchmarks/hf_generate.py)."""
+def sampling_rows(results: Results, ckpt: Path, tmp: Path, log: Path, floor: float | None, smoke: bool,
+                  every: bool = True):
+    """500 tokens from `ckpt` (the char model), whole processes: generate.py three ways (or only its
+    default), where its time goes, then transformers (benchmarks/hf_generate.py)."""
     new, device = (20 if smoke else 500), ("cpu" if smoke else "auto")
     ours = [sys.executable, "generate.py", f"ckpt={ckpt}", f"max_new_tokens={new}", f"device={device}"]
     for name, extra in {"default": [], "compile=false (eager)": ["compile=false"],
                         "compile=true (inductor)": [] if smoke else ["compile=true"]}.items():
+        if name != "default" and not every:
+            continue
         measure(results, "coldstart", f"python generate.py: {name}", lambda e=extra, n=name: generate_row(
             [*ours, *e], "\n", new, log, tmp / f"gen_{n.split()[0]}", floor))
+    measure(results, "coldstart", "python generate.py's phases, in this process",
+            lambda: generate_phases(ckpt, new, torch.device("cpu" if smoke else "cuda"), results.out))
+    if not every:
+        return
     hf = [sys.executable, "benchmarks/hf_generate.py", str(ckpt), "--max-new-tokens", str(new), "--device",
           device]
     measure(results, "coldstart", "transformers generate (static cache)",
             lambda: generate_row(hf, "\n", new, log, tmp / "gen_hf", floor))
+
+
+def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> dict:
+    """Where a `python generate.py` sample's time goes after the imports, timed in this process
+    (CUDA already started): loading the checkpoint, building the default decode step, the prefill
+    to the first token, the rest; then the step's GPU busy time per token against its wall time."""
+    from model.device import Precision
+    from model.generation import Sampling, load_model, stream
+
+    clock = synchronized_clock(device)
+    t0 = clock()
+    model, _ = load_model(ckpt, device, Precision())
+    t1 = clock()
+    step = CompiledDecodeStep(model, backend="cuda_graph") if device.type == "cuda" else None
+    t2 = clock()
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    sampling = Sampling(new, temperature=0.8, top_k=200)
+    tokens = stream(model, prompt, sampling, decode_step=step, generator=torch.Generator(device).manual_seed(0))
+    next(tokens)
+    t3 = clock()
+    for token in tokens:
+        token.tolist()  # as print_samples reads each step
+    t4 = clock()
+    sample = lambda: [t.tolist() for t in stream(model, prompt, sampling, decode_step=step)]  # noqa: E731
+    gpu_ms, kernels = profiled(sample, out, "generate_default", device)
+    return {"load s": t1 - t0, "build step s": t2 - t1, "to the first token s": t3 - t2,
+            "the rest s": t4 - t3, "tokens/s": (new - 1) / (t4 - t3), "GPU busy ms/token": gpu_ms / new,
+            "kernels/token": kernels / new, "wall ms/token": 1e3 * (t4 - t3) / (new - 1)}
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -957,6 +997,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--levers", nargs="+", default=None,
                         help=f"train: groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'; "
                              f"coldstart: groups ({', '.join(COLD_GROUPS)}) or lever names")
+    parser.add_argument("--sampling", choices=["all", "default", "none"], default="all",
+                        help="coldstart: the sampling rows after training (default: generate.py's default alone)")
     parser.add_argument("--against", nargs=2, type=float, metavar=("VAL", "SECONDS"),
                         help="coldstart: nanoGPT's best val and its seconds to it, measured by an earlier "
                              "command (its run is then skipped)")
@@ -980,7 +1022,7 @@ def main(argv=None) -> list[dict]:
          "decode": lambda: decode_section(results, device, args.smoke),
          "variants": lambda: variants_section(results, device, args.smoke),
          "profile": lambda: profile_section(results, device, args.smoke),
-         "coldstart": lambda: coldstart_section(results, cold, args.smoke, args.against),
+         "coldstart": lambda: coldstart_section(results, cold, args.smoke, args.against, args.sampling),
          "exactness": lambda: exactness_section(results, device)}[section]()
     rows = results.rows()[start:]
     print("\n" + render_tables(rows), flush=True)

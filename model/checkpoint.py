@@ -126,7 +126,7 @@ def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
     """The checkpoint at `path` (a file or a run dir), its model config built and checked."""
     path = find(path, prefer)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read when used
     except Exception as e:  # noqa: BLE001  not torch's, cut short, unsafe: any file may fail in any way
         raise ValueError(f"cannot read checkpoint {path}: not a kvgpt checkpoint, or a damaged one "
                          f"(torch.load: {type(e).__name__})") from e

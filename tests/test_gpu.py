@@ -150,11 +150,13 @@ def steps_of(graph: bool, compile, n: int = 6):
 
 @pytest.mark.parametrize("compile", [False, "blocks"])
 def test_the_training_step_as_a_cuda_graph_trains_as_the_step_run_as_written(compile):
-    """No dropout: the graph replays the very kernels the step runs, so the same losses and weights;
-    its warm-up leaves no trace (the first loss is the eager first loss, from the same weights)."""
+    """No dropout: the graph replays the kernels the step runs (AdamW's with the learning rate read
+    from a tensor, not passed as a number), so the same losses and weights to float rounding; its
+    warm-up leaves no trace (the first loss is the eager first loss, from the same weights)."""
     (eager_losses, eager_weights), (graph_losses, graph_weights) = (steps_of(g, compile) for g in (False, True))
-    assert graph_losses == eager_losses
-    assert all(torch.equal(a, b) for a, b in zip(graph_weights, eager_weights))
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=0)
+    for a, b in zip(graph_weights, eager_weights):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
 def test_a_run_with_the_cuda_graph_step_resumes_and_samples_without_a_warning_in_the_text(tiny_run, tmp_path):
