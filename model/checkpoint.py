@@ -63,10 +63,28 @@ def latest_run(root="outputs") -> Path:
     return max(checkpoints, key=lambda p: p.stat().st_mtime).parent
 
 
-def save(path, ckpt: Checkpoint) -> Path:
+def save(path, ckpt: Checkpoint, also=()) -> Path:
     """Write atomically: a temp file in the same folder, renamed over the old one. On any
     failure (a full disk, `path` a folder) the temp file goes and the old file stays; a write
-    the disk refused is an OSError that says so."""
+    the disk refused is an OSError that says so. Each path in `also` (in the same folder) becomes
+    the same checkpoint, atomically too: a second name of the written file (a hard link: one
+    write serves both) where the file system has them, else written again."""
+    path = write(path, ckpt)
+    for other in map(Path, also):
+        fd, tmp = tempfile.mkstemp(dir=other.parent, prefix=f".{other.name}.")
+        os.close(fd)
+        os.unlink(tmp)  # (a free name for the link)
+        try:
+            os.link(path, tmp)
+            os.replace(tmp, other)  # `other` is the old file or the new one, never neither
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+            write(other, ckpt)
+    return path
+
+
+def write(path, ckpt: Checkpoint) -> Path:
+    """One checkpoint file, written atomically (see save)."""
     path = Path(path)
     state = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
     state["model_config"] = dataclasses.asdict(ckpt.model_config)

@@ -82,12 +82,18 @@ def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(
                 continue
             if kw["temperature"] == 0:
                 assert torch.equal(outs[0], outs[2]), (length, "greedy: cached vs uncached")
-            tokens, cache = outs[0], model.new_kv_cache(1)                  # (1, length + 30)
-            with torch.no_grad(), sdpa_kernel(decode_backends(CUDA), set_priority=True):  # as `stream`
-                cached = [model(tokens[:, :length], kv_cache=cache)[0, -1]]
-                cached += [model(tokens[:, t:t + 1], kv_cache=cache)[0, -1] for t in range(length, 30 + length - 1)]
-                uncached = [model(tokens[:, :t])[0, -1] for t in range(length, 30 + length)]
-            torch.testing.assert_close(torch.stack(cached), torch.stack(uncached), atol=1e-5, rtol=0)
+            assert_cached_logits_close(model, outs[0], length)
+
+
+def assert_cached_logits_close(model, tokens, length: int) -> None:
+    """Along tokens (1, T), from its first `length` on, while they fit in block_size: the logits the
+    cache gives a token at a time against the uncached forward's, within 1e-5 (float32)."""
+    end, cache = min(tokens.size(1), model.config.block_size), model.new_kv_cache(1)
+    with torch.no_grad(), sdpa_kernel(decode_backends(CUDA), set_priority=True):  # as `stream` runs them
+        cached = [model(tokens[:, :length], kv_cache=cache)[0, -1]]
+        cached += [model(tokens[:, t:t + 1], kv_cache=cache)[0, -1] for t in range(length, end - 1)]
+        uncached = [model(tokens[:, :t])[0, -1] for t in range(length, end)]
+    torch.testing.assert_close(torch.stack(cached), torch.stack(uncached), atol=1e-5, rtol=0)
 
 
 def test_torchrun_with_more_processes_than_gpus_is_one_line(tmp_path):
@@ -159,14 +165,21 @@ def test_the_training_step_as_a_cuda_graph_trains_as_the_step_run_as_written(com
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_a_run_with_the_cuda_graph_step_resumes_and_samples_without_a_warning_in_the_text(tiny_run, tmp_path):
+# The tiny run of conftest, on the corpus the GPU plan carries prepared (.gpu/data: the GPU machine
+# has no `datasets` to prepare it), with AdamW (the CPU recipe's Muon is never graphed).
+TINY_RUN = ["experiment=shakespeare_char_cpu", "model=tiny", "train.batch_size=4", "train.eval_interval=4",
+            "train.eval_iters=2", "train.log_interval=1", "train.warmup_iters=2", "train.sample_tokens=0",
+            "train.full_val=false", "train.optimizer=adamw", "train.compile=false",
+            f"data.cache_dir={ROOT / '.gpu' / 'data'}"]
+
+
+def test_a_run_with_the_cuda_graph_step_resumes_and_samples_without_a_warning_in_the_text(tmp_path):
     """The loop with train.cuda_graph (auto on CUDA): it trains, its checkpoint resumes, and
     `python generate.py dtype=float32 compile=true` on it prints the sample with nothing (inductor's
     TF32 advice) inside its text, stderr and stdout together as a terminal shows them."""
-    adamw = ["train.optimizer=adamw", "train.compile=false"]  # (the tiny run's CPU recipe has Muon)
-    run = train_checked(compose(*tiny_run, *adamw, "train.max_iters=8"), tmp_path / "a")
+    run = train_checked(compose(*TINY_RUN, "train.max_iters=8"), tmp_path / "a")
     assert run["step"] == 8
-    resumed = train_checked(compose(*tiny_run, *adamw, f"train.resume={tmp_path / 'a'}", "train.max_iters=12"),
+    resumed = train_checked(compose(*TINY_RUN, f"train.resume={tmp_path / 'a'}", "train.max_iters=12"),
                             tmp_path / "b")
     assert resumed["step"] == 12
     result = subprocess.run([sys.executable, "generate.py", f"ckpt={tmp_path / 'a'}", "dtype=float32", "compile=true",

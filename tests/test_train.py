@@ -395,7 +395,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
     """`python train.py` where writes past 60 kB fail (small_disk): the first checkpoint (~130 kB)
     cannot be written."""
     proc, run_dir = early_run
-    assert_one_line_error(finish(proc), f"cannot write checkpoint {run_dir}/best.pt: File too large")
+    assert_one_line_error(finish(proc), f"cannot write checkpoint {run_dir}/ckpt.pt: File too large")
     assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 

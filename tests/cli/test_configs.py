@@ -73,11 +73,11 @@ def test_nanogpt_recipes():
     assert (cpu.train.batch_size, cpu.train.max_iters, cpu.model.dropout) == (12, 2000, 0.0)
 
 
-def test_the_gpu_recipe_is_nanogpts_model_with_rope_the_speed_levers_and_a_bounded_evaluation():
+def test_the_gpu_recipe_is_nanogpts_model_with_rope_a_cuda_graph_step_and_a_bounded_evaluation():
     gpu, nanogpt = compose("experiment=shakespeare_char_gpu"), compose("experiment=shakespeare_char")
     assert {**gpu.model, "pos_emb": "learned"} == {**nanogpt.model} and gpu.model.pos_emb == "rope"
-    assert (gpu.train.lr, gpu.train.max_iters, gpu.train.lr_decay_iters) == (2e-3, 1500, 1500)
-    assert (gpu.train.dtype, gpu.train.compile, gpu.data.on_device) == ("auto", "auto", True)
+    assert (gpu.train.lr, gpu.train.max_iters, gpu.train.lr_decay_iters) == (2e-3, 1250, 1250)
+    assert (gpu.train.dtype, gpu.train.compile, gpu.train.cuda_graph, gpu.data.on_device) == ("auto", False, "auto", True)
     evaluated = lambda cfg: cfg.train.max_iters // cfg.train.eval_interval * cfg.train.eval_iters
     assert evaluated(gpu) * 8 <= evaluated(nanogpt)
 

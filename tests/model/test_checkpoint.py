@@ -213,3 +213,17 @@ def test_a_checkpoint_to_start_from_is_checked_as_one_to_sample(tiny_ckpt, tiny_
                             f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(result, f"init_from={tmp_path / 'edited.pt'}: its data meta names no tokenizer")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_saved_under_two_names_is_one_file_until_one_is_replaced(tmp_path):
+    """best.pt beside ckpt.pt when val improved: one write, a second name (a hard link); the next
+    ckpt.pt replaces that name only, and best.pt keeps the checkpoint it named."""
+    write(tmp_path / "ckpt.pt", tiny_model(), step=1)  # (an older ckpt.pt, replaced below)
+    model = tiny_model(seed=1)
+    ckpt = Checkpoint(model=model.state_dict(), model_config=model.config, data_meta={"tokenizer": "char",
+                      "vocab": None}, step=2)
+    checkpoint.save(tmp_path / "ckpt.pt", ckpt, also=[tmp_path / "best.pt"])
+    assert os.path.samefile(tmp_path / "ckpt.pt", tmp_path / "best.pt")
+    write(tmp_path / "ckpt.pt", tiny_model(), step=3)
+    assert checkpoint.load(tmp_path / "best.pt").step == 2 and checkpoint.load(tmp_path / "ckpt.pt").step == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "ckpt.pt"]  # no temp file left
