@@ -204,7 +204,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     backend, t0 = cfg.step_backend(device), time.perf_counter()
     decode_step = backend and CompiledDecodeStep(model, len(prompts), kv_dtype, backend)
     if cfg.benchmark:
-        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, time.perf_counter() - t0)
+        built_s = time.perf_counter() - t0
+        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, built_s)
         return []
 
     if cfg.inspect:
@@ -312,7 +313,8 @@ def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) 
     return texts
 
 
-def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None, built_s=0.0) -> None:
+def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None,
+                    built_s: float = 0.0) -> None:
     """Prefill and decode tokens/s of the batch `prompts` (lists of ids, left-padded into one), with
     and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it;
     built_s is what building the decode step took (compiling or capturing it)."""
@@ -334,7 +336,7 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
         print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
     print(f"tokens/s count every row: {B} x {T} prompt tokens, {B} x {n - 1} decoded (the first new "
           f"token comes from the prefill)", file=out)
-    built = f"; the decode step was built in {built_s:.2f} s before it (compiled, or captured as a CUDA graph)"
+    built = f"; the decode step was built in {built_s:.2f} s before it (compiled, or captured)"
     print(f"warm-up: {warm_up_s:.2f} s, {warm_up_s - rows[0][3]:.2f} s more than a repeat"
           f"{built if decode_step else ''}", file=out)
     print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)

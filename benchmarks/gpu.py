@@ -40,8 +40,8 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import os
 import math
+import os
 import platform
 import re
 import statistics
@@ -72,7 +72,8 @@ RECIPE = ["experiment=shakespeare_char_gpu", "train.checkpoints=false"]  # timin
 LEVERS = {  # name: the overrides that change one thing from the recipe
     "recipe": [],
     "float32, no bf16 autocast": ["train.dtype=float32"],
-    "eager, no torch.compile": ["train.compile=false"],
+    "compiled (torch.compile)": ["train.compile=true"],
+    "no CUDA graph": ["train.cuda_graph=false"],
     "math attention, no flash SDPA": ["model.attn_backend=naive"],
     "corpus in host memory": ["data.on_device=false"],
     "nanoGPT's evaluation (200 batches every 250 steps)": ["train.eval_iters=200"],
@@ -86,7 +87,7 @@ LEVERS = {  # name: the overrides that change one thing from the recipe
     "Muon": ["train.optimizer=muon"],
 }
 LEVER_GROUPS = {  # the plan runs speed in one command, model and tuning in another; together every lever
-    "speed": ["recipe", "float32, no bf16 autocast", "eager, no torch.compile",
+    "speed": ["recipe", "float32, no bf16 autocast", "compiled (torch.compile)", "no CUDA graph",
               "math attention, no flash SDPA", "corpus in host memory",
               "nanoGPT's evaluation (200 batches every 250 steps)"],
     "model": ["learned positions, no RoPE", "RMSNorm", "SwiGLU", "QK-norm"],
@@ -222,7 +223,8 @@ def decode_step_kernels(model: GPT, batch: int) -> list[str]:
     cache.advance(cache.max_len // 2)
     token, pad = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long,
                                                                                        device=device)
-    with torch.no_grad(), SDPACalls() as calls, sdpa_kernel(decode_backends(device, step=True), set_priority=True):
+    priority = sdpa_kernel(decode_backends(device, step=True), set_priority=True)
+    with torch.no_grad(), SDPACalls() as calls, priority:
         model.logits_at(token, torch.tensor([cache.length], device=device), cache, pad)
     return calls.kernels
 
@@ -694,19 +696,19 @@ COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a us
     "compiled model in a CUDA graph": ["train.compile=true", "train.cuda_graph=true"],
     "compiled blocks, no CUDA graph": ["train.compile=blocks", "train.cuda_graph=false"],
     "compiled blocks in a CUDA graph": ["train.compile=blocks", "train.cuda_graph=true"],
-    "batch 128, 1000 steps": ["train.batch_size=128", "train.max_iters=1000", "train.eval_interval=200"],
+    "1000 steps": ["train.max_iters=1000"],
     "batch 128, 600 steps": ["train.batch_size=128", "train.max_iters=600", "train.eval_interval=200"],
-    "1250 steps": ["train.max_iters=1250"],
-    "fewer evaluations (20 batches every 500 steps)": ["train.eval_iters=20", "train.eval_interval=500"],
     "no checkpoint writes": ["train.checkpoints=false"],
 }
 COLD_GROUPS = {  # the plan's two commands
     "first": ["CUDA graph, no compile", "compiled blocks in a CUDA graph", "no compile, no CUDA graph",
               "compiled model in a CUDA graph", "compiled blocks, no CUDA graph"],
-    "second": ["recipe", "recipe, warm caches", "1250 steps", "batch 128, 600 steps"],
-    "extra": ["no checkpoint writes", "compiled model, no CUDA graph"],
+    "second": ["recipe", "recipe, warm caches", "1000 steps", "batch 128, 600 steps", "no checkpoint writes",
+               "compiled model, no CUDA graph"],
 }
-SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]  # (no CUDA graph on a CPU)
+SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]
+SMOKE_OFF = {"train.compile=true": "train.compile=false", "train.compile=blocks": "train.compile=false",
+             "train.cuda_graph=true": "train.cuda_graph=false"}  # a smoke run compiles and captures nothing
 STEP_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)
 WHOLE_VAL = re.compile(r"val loss ([\d.]+) over the whole val split")
 
@@ -726,7 +728,8 @@ def run_whole(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float) -
     wall = time.perf_counter() - t0
     timer.cancel()
     with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}  (in {cwd}; exit {code}; {wall:.1f} s)\n" + "".join(c for _, c in chunks))
+        f.write(f"\n$ {' '.join(cmd)}  (in {cwd}; exit {code}; {wall:.1f} s)\n")
+        f.write("".join(c for _, c in chunks))
     if code:
         tail = "".join(c for _, c in chunks).strip().splitlines()[-3:]
         raise RuntimeError(f"exit {code} after {wall:.0f} s: {' | '.join(tail)}"[:300])
@@ -766,10 +769,11 @@ def nanogpt_row(tmp: Path, log: Path, smoke: bool) -> dict:
     """nanoGPT's own train.py with its char recipe, cold: when each evaluation came, its best val
     and when, and its best checkpoint's loss over the whole val split (our split_loss's windows)."""
     if not (NANOGPT / "data/shakespeare_char/val.bin").is_file():
-        raise FileNotFoundError(f"{NANOGPT} has no prepared nanoGPT: bash benchmarks/gpu_fetch.sh <a checkout>")
+        raise FileNotFoundError(f"{NANOGPT}: no prepared nanoGPT: bash benchmarks/gpu_fetch.sh <checkout>")
     out_dir = tmp / "nanogpt_out"
     args = [*(SMOKE_NANOGPT if smoke else NANOGPT_ARGS), f"--out_dir={out_dir}"]
-    wall, chunks = run_whole([sys.executable, "train.py", *args], NANOGPT, cold_env(tmp / "nanogpt"), log, 200)
+    wall, chunks = run_whole([sys.executable, "train.py", *args], NANOGPT, cold_env(tmp / "nanogpt"), log,
+                             200)
     evals = evaluations(chunks)
     t, step, best = min(evals[1:] or evals, key=lambda e: e[2])
     reached = next((e for e in evals if e[2] <= TARGET), None)
@@ -792,10 +796,12 @@ def nanogpt_split_loss(ckpt_path: Path, smoke: bool) -> float:
     model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
     device = torch.device("cpu" if smoke else "cuda")
     model.to(device).eval()
-    val = torch.from_numpy(np.fromfile(NANOGPT / "data/shakespeare_char/val.bin", dtype=np.uint16).astype(np.int64))
+    val = np.fromfile(NANOGPT / "data/shakespeare_char/val.bin", dtype=np.uint16)
+    val = torch.from_numpy(val.astype(np.int64))
     block, n_targets = model.config.block_size, len(val) - 1
     windows = math.ceil(n_targets / block)
-    x, y = torch.zeros(windows * block, dtype=torch.long), torch.full((windows * block,), -1, dtype=torch.long)
+    x = torch.zeros(windows * block, dtype=torch.long)
+    y = torch.full((windows * block,), -1, dtype=torch.long)  # -1: padding, ignored
     x[:n_targets], y[:n_targets] = val[:-1], val[1:]
     total = 0.0
     for xb, yb in zip(x.view(windows, block).split(64), y.view(windows, block).split(64)):
@@ -816,13 +822,15 @@ def ours_row(overrides: list[str], caches: Path, run_dir: Path, log: Path, again
     reached = next((e for e in evals if e[2] <= TARGET), None)
     at = lambda prefix: next((t for t, line in line_times(chunks) if line.startswith(prefix)), None)  # noqa: E731
     row = {"built at s": at("model: "), "step 0 at s": evals[0][0] if evals else None,
-           "last evaluation at s": evals[-1][0] if evals else None, "whole val at s": at(f"step {evals[-1][1]}: val loss"),
+           "last evaluation at s": evals[-1][0] if evals else None,
+           "whole val at s": evals and at(f"step {evals[-1][1]}: val loss"),
            "sample at s": at("--- end of sample ---"), "whole process s": wall,
            f"to val {TARGET} s": reached and reached[0], "val (whole split)": whole and float(whole[1]),
            "best val (estimate)": min(e[2] for e in evals), "overrides": " ".join(overrides)}
     if against:
         beat = next((e for e in evals if e[2] <= against[0]), None)
-        row |= {"to nanoGPT's best s": beat and beat[0], "x nanoGPT's time to its best": beat and beat[0] / against[1]}
+        row |= {"to nanoGPT's best s": beat and beat[0],
+                "x nanoGPT's time to its best": beat and beat[0] / against[1]}
     return row
 
 
@@ -863,7 +871,10 @@ def coldstart_section(results: Results, names: list[str], smoke: bool, against: 
         for i, name in enumerate(names):
             lever = name.removesuffix(", warm caches")
             caches = runs[lever][0] if lever != name and lever in runs else tmp / f"caches{i}"
-            overrides = [*COLD_LEVERS[lever], *(["experiment=shakespeare_char_gpu", *SMOKE_TRAIN] if smoke else [])]
+            overrides = COLD_LEVERS[lever]
+            if smoke:  # the GPU recipe's architecture (a GPT-NeoX holds it), toy-sized, on the CPU
+                overrides = ["experiment=shakespeare_char_gpu", *(SMOKE_OFF.get(o, o) for o in overrides),
+                             *SMOKE_TRAIN]
             runs.setdefault(lever, (caches, tmp / f"run{i}"))
             measure(results, "coldstart", f"python train.py: {name}",
                     lambda o=overrides, c=caches, r=tmp / f"run{i}": ours_row(o, c, r, log, against))
@@ -909,7 +920,8 @@ def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> di
     t2 = clock()
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     sampling = Sampling(new, temperature=0.8, top_k=200)
-    tokens = stream(model, prompt, sampling, decode_step=step, generator=torch.Generator(device).manual_seed(0))
+    generator = torch.Generator(device).manual_seed(0)
+    tokens = stream(model, prompt, sampling, decode_step=step, generator=generator)
     next(tokens)
     t3 = clock()
     for token in tokens:
@@ -948,8 +960,9 @@ def exactness_row(fields: dict, device: torch.device) -> dict:
     row = {}
     for length in (1, 7):
         prompt = torch.arange(1, length + 1, device=device)[None]                   # (1, length)
-        cached, uncached = (generate(model, prompt, 17, kv_cache=kv, temperature=1.0, top_k=20,
-                                     generator=torch.Generator(device).manual_seed(length)) for kv in (True, False))
+        seeded = lambda length=length: dict(temperature=1.0, top_k=20,  # noqa: E731
+                                            generator=torch.Generator(device).manual_seed(length))
+        cached, uncached = (generate(model, prompt, 17, kv_cache=kv, **seeded()) for kv in (True, False))
         cache = model.new_kv_cache(1)
         n, backends = cached.size(1), decode_backends(device)
         with sdpa_kernel(backends, set_priority=True), SDPACalls() as calls:
@@ -998,7 +1011,8 @@ def main(argv=None) -> list[dict]:
                         help=f"train: groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'; "
                              f"coldstart: groups ({', '.join(COLD_GROUPS)}) or lever names")
     parser.add_argument("--sampling", choices=["all", "default", "none"], default="all",
-                        help="coldstart: the sampling rows after training (default: generate.py's default alone)")
+                        help="coldstart: the sampling rows after training (default: generate.py's "
+                             "default alone)")
     parser.add_argument("--against", nargs=2, type=float, metavar=("VAL", "SECONDS"),
                         help="coldstart: nanoGPT's best val and its seconds to it, measured by an earlier "
                              "command (its run is then skipped)")
@@ -1009,8 +1023,10 @@ def main(argv=None) -> list[dict]:
         sys.exit("error: no CUDA device: run it on a GPU, or with --smoke")
     if "train" in args.section and "coldstart" in args.section and args.levers:
         sys.exit("error: --levers: run the train and coldstart sections in separate commands")
-    levers = "train" in args.section and lever_overrides(args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
-    cold = "coldstart" in args.section and cold_lever_names(args.levers or (SMOKE_COLD if args.smoke else ["first"]))
+    levers = "train" in args.section and lever_overrides(
+        args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
+    cold = "coldstart" in args.section and cold_lever_names(
+        args.levers or (SMOKE_COLD if args.smoke else ["first"]))
     results = Results(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke: the numbers mean nothing)"
     print(f"{name}, PyTorch {torch.__version__}; results in {args.out}: results.jsonl, tables.md", flush=True)

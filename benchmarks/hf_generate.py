@@ -59,7 +59,8 @@ def main() -> None:
     prompt = torch.tensor([tokenizer.encode(args.prompt)], device=device)
     print(args.prompt, end="", flush=True)
     torch.manual_seed(args.seed)
-    hf.generate(prompt, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=True,
+    new = args.max_new_tokens
+    hf.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=True,
                 temperature=0.8, top_k=200, pad_token_id=0, cache_implementation="static",
                 streamer=Printer(tokenizer, prompt.size(1)))
 

@@ -99,8 +99,8 @@ def neox_weights(model) -> tuple[dict, dict]:
     its blocks in sequence (use_parallel_residual=False), rotates the halves as our RoPE does, and
     fuses q, k and v per head ([q_h, k_h, v_h] for each head h), where ours are [q, k, v] whole."""
     c = model.config
-    required = {"pos_emb": "rope", "norm": "layernorm", "qk_norm": False, "kv_share": 1, "n_kv_head": c.n_head,
-                "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False}
+    required = {"pos_emb": "rope", "norm": "layernorm", "qk_norm": False, "kv_share": 1,
+                "n_kv_head": c.n_head, "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False}
     for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a GPT-NeoX needs model.{field}={'null' if value is None else value}, "
@@ -111,7 +111,8 @@ def neox_weights(model) -> tuple[dict, dict]:
               "num_attention_heads": c.n_head, "intermediate_size": 4 * c.n_embd,
               "hidden_act": "gelu_new" if c.mlp == "gelu" else "gelu", "rotary_pct": 1.0,
               "rotary_emb_base": 10000.0, "max_position_embeddings": c.block_size,
-              "layer_norm_eps": c.norm_eps, "use_parallel_residual": False, "tie_word_embeddings": c.tie_embeddings,
+              "layer_norm_eps": c.norm_eps, "use_parallel_residual": False,
+              "tie_word_embeddings": c.tie_embeddings,
               "attention_dropout": 0.0, "hidden_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0}
     ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
     bias = lambda name, n: ours.get(name, torch.zeros(n))  # noqa: E731  (bias=false: zeros)
@@ -125,8 +126,10 @@ def neox_weights(model) -> tuple[dict, dict]:
         qkv_bias = bias(block + "attn.qkv.bias", 3 * C).view(3, c.n_head, hd)
         state |= {layer + "attention.query_key_value.weight": qkv.transpose(0, 1).reshape(3 * C, C),
                   layer + "attention.query_key_value.bias": qkv_bias.transpose(0, 1).reshape(3 * C)}
-        for ours_name, theirs, n in (("norm_1", "input_layernorm", C), ("norm_2", "post_attention_layernorm", C),
-                                     ("attn.proj", "attention.dense", C), ("mlp.fc", "mlp.dense_h_to_4h", 4 * C),
+        for ours_name, theirs, n in (("norm_1", "input_layernorm", C),
+                                     ("norm_2", "post_attention_layernorm", C),
+                                     ("attn.proj", "attention.dense", C),
+                                     ("mlp.fc", "mlp.dense_h_to_4h", 4 * C),
                                      ("mlp.proj", "mlp.dense_4h_to_h", C)):
             state |= {layer + theirs + ".weight": ours[block + ours_name + ".weight"],
                       layer + theirs + ".bias": bias(block + ours_name + ".bias", n)}

@@ -141,7 +141,8 @@ def steps_of(graph: bool, compile, n: int = 6):
     """n steps of the recipe's step (bf16 autocast, clipping, fused AdamW, a changing learning rate,
     2 micro-batches) from the same weights and batches: (the losses, the weights after)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64, pos_emb="rope")).to(CUDA)
+    config = GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=64, pos_emb="rope")
+    model = GPT(config).to(CUDA)
     if compile == "blocks":
         for block in model.blocks:
             block.compile()
@@ -159,7 +160,8 @@ def test_the_training_step_as_a_cuda_graph_trains_as_the_step_run_as_written(com
     """No dropout: the graph replays the kernels the step runs (AdamW's with the learning rate read
     from a tensor, not passed as a number), so the same losses and weights to float rounding; its
     warm-up leaves no trace (the first loss is the eager first loss, from the same weights)."""
-    (eager_losses, eager_weights), (graph_losses, graph_weights) = (steps_of(g, compile) for g in (False, True))
+    (eager_losses, eager_weights), (graph_losses, graph_weights) = (steps_of(g, compile)
+                                                                    for g in (False, True))
     torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=0)
     for a, b in zip(graph_weights, eager_weights):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -182,8 +184,9 @@ def test_a_run_with_the_cuda_graph_step_resumes_and_samples_without_a_warning_in
     resumed = train_checked(compose(*TINY_RUN, f"train.resume={tmp_path / 'a'}", "train.max_iters=12"),
                             tmp_path / "b")
     assert resumed["step"] == 12
-    result = subprocess.run([sys.executable, "generate.py", f"ckpt={tmp_path / 'a'}", "dtype=float32", "compile=true",
-                             "prompt=ROMEO:", "max_new_tokens=40"], cwd=ROOT, env=clean_env(), timeout=300,
+    result = subprocess.run([sys.executable, "generate.py", f"ckpt={tmp_path / 'a'}", "dtype=float32",
+                             "compile=true", "prompt=ROMEO:", "max_new_tokens=40"], cwd=ROOT, env=clean_env(),
+                            timeout=300,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert result.returncode == 0, result.stdout[-3000:]
     sample = result.stdout[result.stdout.index("ROMEO:"):]

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import LEVER_GROUPS, LEVERS, Results, lever_overrides, main
+from benchmarks.gpu import (
+    COLD_GROUPS,
+    COLD_LEVERS,
+    LEVER_GROUPS,
+    Results,
+    cold_lever_names,
+    lever_overrides,
+    main,
+)
 from tests.helpers import ROOT, clean_env
 
 # A command of the plan as the GPU machine runs it, but with `datasets` unimportable, as it is there:
@@ -37,15 +45,15 @@ def plan_commands() -> list[str]:
     return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
 
 
-def test_the_plan_measures_every_section_and_lever_and_ends_with_the_cuda_checks():
+def test_the_plan_measures_every_coldstart_lever_and_ends_with_the_cuda_checks():
     commands = plan_commands()
     gpu = [shlex.split(c) for c in commands if c.startswith("python3 benchmarks/gpu.py")]
-    assert "probe" in gpu[0] and commands[-1] == "python3 -m pytest --gpu tests/test_gpu.py"
+    assert commands[-1].startswith("python3 -m pytest --gpu tests/test_gpu.py")
     sections = {s for argv in gpu for s in " ".join(argv).split("--section ")[1].split(" --")[0].split()}
-    assert sections == {"probe", "train", "optimizer", "decode", "variants", "profile"}
-    groups = [name for argv in gpu if "--levers" in argv
-              for name in " ".join(argv).split("--levers ")[1].split(" --")[0].split()]
-    assert sorted(lever_overrides(groups)) == sorted(LEVERS) and sorted(groups) == sorted(LEVER_GROUPS)
+    assert sections == {"coldstart", "exactness"}
+    groups = [name for argv in gpu for name in " ".join(argv).split("--levers ")[1].split(" --")[0].split()]
+    levers = {name.removesuffix(", warm caches") for name in cold_lever_names(groups)}
+    assert levers == set(COLD_LEVERS) and sorted(groups) == sorted(COLD_GROUPS)
     assert all(argv[argv.index("--out") + 1] == "$OUT/gpu" for argv in gpu)  # one results file
 
 
@@ -74,14 +82,17 @@ def test_every_command_of_the_plan_runs_on_the_cpu_without_datasets(started_run)
     out = started_run.result()  # raises what a command raised
     rows = Results(out).rows()
     assert not [r for r in rows if "error" in r]
-    assert {r["section"] for r in rows} == {"probe", "train", "optimizer", "decode", "variants", "profile"}
-    assert sorted(r["name"] for r in rows if r["section"] == "train") == sorted(LEVERS)
-    corpus = next(r for r in rows if r["name"] == "prepared corpus")
-    assert corpus["was prepared"] and not corpus["datasets imported"]
+    assert {r["section"] for r in rows} == {"coldstart", "exactness"}
+    trained = {r["name"].removeprefix("python train.py: ") for r in rows
+               if r["name"].startswith("python train.py")}
+    assert trained == set(cold_lever_names(list(COLD_GROUPS)))
+    assert all(r["val (whole split)"] is None or r["val (whole split)"] > 0 for r in rows if "overrides" in r)
+    sampled = [r for r in rows if r["name"].startswith(("python generate.py:", "transformers"))]
+    assert len(sampled) == 5 and all(r["tokens/s from the first"] > 0 for r in sampled)
     tables = (out / "tables.md").read_text()
-    assert all(f"### {s}" in tables for s in ("probe", "train", "optimizer", "decode", "variants", "profile"))
-    assert (out / "variants.png").stat().st_size > 0
-    assert "Self CPU" in (out / "profile_training_reduce_overhead.txt").read_text()
+    assert "### coldstart" in tables and "### exactness" in tables
+    assert "$ " in (out / "coldstart.log").read_text()
+    assert "Self CPU" in (out / "profile_generate_default.txt").read_text()
 
 
 def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_data):
@@ -94,10 +105,10 @@ def test_a_run_killed_midway_keeps_every_measurement_it_finished(tmp_path, char_
     while not (out / "tables.md").exists() and time.monotonic() < deadline and proc.poll() is None:
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
-    assert proc.wait() == -signal.SIGKILL  # killed before the last of its 6 levers
+    assert proc.wait() == -signal.SIGKILL  # killed before the last of its 7 levers
     lines = (out / "results.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]  # every line whole
-    assert 1 <= len(rows) < 6 and rows[0]["name"] == "recipe" and rows[0]["tokens/s"] > 0
+    assert 1 <= len(rows) < 7 and rows[0]["name"] == "recipe" and rows[0]["tokens/s"] > 0
     assert "| recipe |" in (out / "tables.md").read_text()
 
 

@@ -24,7 +24,7 @@ class TrainConfig:
     device: str = "auto"          # auto | cpu | cuda | cuda:N
     dtype: str = "auto"           # auto (bf16 autocast on CUDA, float32 on CPU) | float32 | bfloat16
     compile: Any = "auto"         # auto (on for CUDA) | true | false | blocks (each Block: one graph for all)
-    cuda_graph: Any = "auto"      # auto (CUDA, one process, AdamW) | true | false: the step replayed as a CUDA graph
+    cuda_graph: Any = "auto"      # auto (CUDA, one process, AdamW) | true | false: the step as a CUDA graph
     batch_size: int = 12          # sequences per micro-step and process
     grad_accum: int = 1           # micro-steps per optimizer step
     max_iters: int = 2000
@@ -54,8 +54,8 @@ class TrainConfig:
                  "> 0": (lambda v: v is None or v > 0, "lr peak_tflops"),
                  "in [0, 1)": (lambda v: 0 <= v < 1, "beta1 beta2"),
                  "one of auto, float32, bfloat16": (lambda v: v in ("auto", "float32", "bfloat16"), "dtype"),
-                 "one of auto, true, false, blocks": (lambda v: v in ("auto", "blocks") or isinstance(v, bool),
-                                                      "compile"),
+                 "one of auto, true, false, blocks": (
+                     lambda v: v in ("auto", "blocks") or isinstance(v, bool), "compile"),
                  "one of auto, true, false": (lambda v: v == "auto" or isinstance(v, bool), "cuda_graph")}
         for rule, (holds, names) in rules.items():
             for name in names.split():

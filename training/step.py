@@ -59,8 +59,9 @@ class TrainStep:
         """The step as written: forward and backward per micro-batch (DDP syncs gradients on the
         last only), clipping, the optimizer's step. Returns the last micro-batch's loss."""
         for micro, (x, y) in enumerate(batches):
-            last_micro = micro == self.grad_accum - 1
-            with self.stepped.no_sync() if self.world_size > 1 and not last_micro else nullcontext(), self.amp:
+            last_micro = micro == self.grad_accum - 1  # DDP syncs gradients only then
+            syncing = self.stepped.no_sync() if self.world_size > 1 and not last_micro else nullcontext()
+            with syncing, self.amp:
                 _, loss = self.stepped(x[self.rows], y[self.rows])
             (loss / self.grad_accum).backward()
         if self.grad_clip > 0:
