@@ -219,9 +219,8 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
         cache = model.new_kv_cache(B, min(c.block_size, T + max_new_tokens), dtype=kv_dtype)
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
-    # cache_pad (B,) counts the pad slots among the cache's tokens. The model runs in inference mode
-    # (~15% faster a step on a CPU) with the decode's SDPA kernels (none that builds a plan per key
-    # length); the tokens, sampled outside it, are plain tensors a caller may train on.
+    # cache_pad (B,): the pad slots among the cache's. Inference mode (~15% faster a step on a CPU),
+    # the decode's SDPA kernels; the tokens, sampled outside it, are plain tensors one may train on.
     backends = decode_backends(idx.device)
     with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
