@@ -707,6 +707,7 @@ COLD_GROUPS = {  # the plan's two commands
                "compiled model, no CUDA graph"],
 }
 SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]
+SMOKE_RUNS = 2  # a smoke run's levers differ only in overrides it turns off: two show the script works
 SMOKE_OFF = {"train.compile=true": "train.compile=false", "train.compile=blocks": "train.compile=false",
              "train.cuda_graph=true": "train.cuda_graph=false"}  # a smoke run compiles and captures nothing
 STEP_LINE = re.compile(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", re.M)
@@ -868,7 +869,7 @@ def coldstart_section(results: Results, names: list[str], smoke: bool, against: 
             nano = measure(results, "coldstart", "nanoGPT", lambda: nanogpt_row(tmp, log, smoke))
             against = (nano["best val (estimate)"], nano["best at s"]) if "best at s" in nano else None
         runs = {}
-        for i, name in enumerate(names):
+        for i, name in enumerate(names[:SMOKE_RUNS] if smoke else names):
             lever = name.removesuffix(", warm caches")
             caches = runs[lever][0] if lever != name and lever in runs else tmp / f"caches{i}"
             overrides = COLD_LEVERS[lever]

@@ -13,17 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from benchmarks.gpu import (
     COLD_GROUPS,
     COLD_LEVERS,
     LEVER_GROUPS,
+    SMOKE_RUNS,
     Results,
     cold_lever_names,
     lever_overrides,
     main,
 )
-from tests.helpers import ROOT, clean_env
+from tests.helpers import ROOT, clean_env, compose
 
 # A command of the plan as the GPU machine runs it, but with `datasets` unimportable, as it is there:
 # an import of it fails the measurement, and none of what it pulls may have been imported at the end.
@@ -57,6 +59,14 @@ def test_the_plan_measures_every_coldstart_lever_and_ends_with_the_cuda_checks()
     assert all(argv[argv.index("--out") + 1] == "$OUT/gpu" for argv in gpu)  # one results file
 
 
+@pytest.mark.parametrize("lever", COLD_LEVERS)
+def test_every_coldstart_lever_is_a_valid_gpu_run(lever):
+    """The overrides each lever adds to `python train.py` on a GPU (a smoke run turns off what it
+    cannot run on a CPU): every value passes the train group's schema."""
+    cfg = compose("experiment=shakespeare_char_gpu", *COLD_LEVERS[lever])
+    assert OmegaConf.to_object(cfg.train).max_iters >= 1
+
+
 def run_the_plan(tmp_path):
     """The plan's gpu.py commands, with --smoke, in order, into one --out: returned as the function
     that runs them and returns that folder, their environment taken here, in the calling thread (a
@@ -83,9 +93,9 @@ def test_every_command_of_the_plan_runs_on_the_cpu_without_datasets(started_run)
     rows = Results(out).rows()
     assert not [r for r in rows if "error" in r]
     assert {r["section"] for r in rows} == {"coldstart", "exactness"}
-    trained = {r["name"].removeprefix("python train.py: ") for r in rows
-               if r["name"].startswith("python train.py")}
-    assert trained == set(cold_lever_names(list(COLD_GROUPS)))
+    trained = [r["name"].removeprefix("python train.py: ") for r in rows
+               if r["name"].startswith("python train.py")]
+    assert trained == [name for group in COLD_GROUPS for name in COLD_GROUPS[group][:SMOKE_RUNS]]
     assert all(r["val (whole split)"] is None or r["val (whole split)"] > 0 for r in rows if "overrides" in r)
     sampled = [r for r in rows if r["name"].startswith(("python generate.py:", "transformers"))]
     assert len(sampled) == 5 and all(r["tokens/s from the first"] > 0 for r in sampled)
