@@ -220,9 +220,9 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
 
     # cache_pad (B,): the pad slots among the cache's. Inference mode (~15% faster a step on a CPU),
-    # the decode's SDPA kernels; the tokens, sampled outside it, are plain tensors one may train on.
-    backends = decode_backends(idx.device)
-    with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+    # no cuDNN attention; the tokens, sampled outside it, are plain tensors one may train on.
+    no_cudnn = CudnnAttentionOff()
+    with torch.inference_mode(), no_cudnn:
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
     for i in range(max_new_tokens):
         token = sample_next(logits[:, :vocab_size], sampling, generator)  # (B,)
@@ -235,7 +235,7 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
             length = history
         tokens[:, length] = token
         length += 1
-        with torch.inference_mode(), sdpa_kernel(backends, set_priority=True):
+        with torch.inference_mode(), no_cudnn:
             if cache is None:
                 logits, _ = prefill(model, tokens[:, :length], None, pad)
                 continue
@@ -338,18 +338,31 @@ def make_room(model, tokens, cache, pad, chunk=None):
 
 
 def decode_backends(device: torch.device, step: bool = False) -> list[SDPBackend]:
-    """The SDPA kernels every forward pass of a decode may use, in the order it prefers them (`stream`
-    runs each pass under them). On CUDA cuDNN's attention comes last: it builds an execution plan
-    per exact shape (~50 ms each on an H200) and an eager decode's key length grows by one a token,
-    while flash (no mask: a prompt, one query over a plain cache) and memory-efficient attention
-    (a mask: the compiled step's unwritten slots, padding, a ring) take every length as it comes, at
-    any head width that is a multiple of 8 (MLA's 288 too); `attend` folds GQA's query heads so
-    that none needs enable_gqa. A compiled `step` on a CPU uses SDPA's math formulation: one query
-    against the cache is faster so (inductor fuses it) than through the CPU's flash kernel."""
+    """The SDPA kernels a decode may use, in the order the compiled step prefers them: never cuDNN's
+    attention, which builds an execution plan per exact shape (~50 ms each on an H200), where an
+    eager decode's key length grows by one a token (`stream` runs every eager pass under
+    `CudnnAttentionOff`). Flash takes a call without a mask (a prompt, one query over a plain
+    cache), memory-efficient attention one with a mask (the compiled step's unwritten slots,
+    padding, a ring), at any head width that is a multiple of 8 (MLA's 288 too); `attend` folds
+    GQA's query heads so that none needs enable_gqa. A compiled `step` on a CPU uses SDPA's math
+    formulation: one query against the cache is faster so (inductor fuses it) than through the
+    CPU's flash kernel."""
     if step and device.type == "cpu":
         return [SDPBackend.MATH]
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-            SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class CudnnAttentionOff:
+    """A context in which SDPA never picks cuDNN's attention (decode_backends says why), restored
+    on exit. A flag, not sdpa_kernel's priority list: entering and leaving it costs ~1 µs a token
+    on a 2-core CPU, sdpa_kernel's ~37 µs (4% of the CPU's eager step of a tiny model)."""
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.enable_cudnn_sdp(self.was)
 
 
 STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")

@@ -260,30 +260,28 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
     assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
 
 
-def test_the_decode_backends_put_cudnn_after_every_kernel_that_takes_any_length():
+def test_the_decode_backends_never_hold_cudnn():
     """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable). cuDNN, which
-    builds a plan per exact shape, comes after flash and memory-efficient attention, math last; a
-    compiled step on a CPU uses math alone."""
+    builds a plan per exact shape, is never one; math is the last resort; a compiled step on a CPU
+    uses math alone."""
     for device in ("cpu", "cuda"):
         backends = decode_backends(torch.device(device))
         assert backends and all(isinstance(b, SDPBackend) for b in backends)
-        assert backends.index(SDPBackend.CUDNN_ATTENTION) > max(backends.index(SDPBackend.FLASH_ATTENTION),
-                                                                backends.index(SDPBackend.EFFICIENT_ATTENTION))
-        assert backends[-1] == SDPBackend.MATH
+        assert SDPBackend.CUDNN_ATTENTION not in backends and backends[-1] == SDPBackend.MATH
     assert decode_backends(torch.device("cpu"), step=True) == [SDPBackend.MATH]
     assert decode_backends(torch.device("cuda"), step=True) == decode_backends(torch.device("cuda"))
 
 
-class SDPAPriorities(SDPACalls):
-    """SDPACalls that also keeps, per call, the SDPA priority order in force (SDPBackend members)."""
+class SDPACudnnFlags(SDPACalls):
+    """SDPACalls that also keeps, per call, whether SDPA may pick cuDNN's attention then."""
 
     def __init__(self):
         super().__init__()
-        self.orders = []
+        self.cudnn = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.nn.functional.scaled_dot_product_attention:
-            self.orders.append([SDPBackend(b) for b in torch._C._get_sdp_priority_order()])
+            self.cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
         return super().__torch_function__(func, types, args, kwargs)
 
 
@@ -295,21 +293,19 @@ DECODE_PATHS = {"one shot": {}, "prefill chunks": {"prefill_chunk": 3}, "batched
 
 
 @pytest.mark.parametrize("path", DECODE_PATHS, ids=DECODE_PATHS.keys())
-def test_every_sdpa_call_of_a_decode_runs_under_the_decode_priority(path):
+def test_no_sdpa_call_of_a_decode_may_run_cudnns_attention(path):
     """Where a GPU's default priority puts cuDNN first (which builds a plan per key length, ~50 ms
-    each), every attention call a decode makes still prefers kernels that take any length: prefill,
-    chunks, padded rows, refills, shared prefixes, rings, and the uncached reference."""
+    each), no attention call a decode makes may pick it: prefill, chunks, padded rows, refills,
+    shared prefixes, rings, and the uncached reference; the caller's setting comes back after."""
     model = tiny_model(pos_emb="rope", attn_window=5 if path == "window ring" else None)
     prompts = {"batched, left-padded": [[1, 2, 3, 4, 5], [6, 7]],
                "num_samples (a shared prefix)": [[1, 2, 3, 4]] * 3}.get(path, [[1, 2, 3, 4, 5]])
     options = {"max_new_tokens": 12} | DECODE_PATHS[path]
-    with sdpa_kernel(HOPPER_DEFAULT, set_priority=True), SDPAPriorities() as calls:
+    with sdpa_kernel(HOPPER_DEFAULT, set_priority=True), SDPACudnnFlags() as calls:
         generate(model, prompts, options.pop("max_new_tokens"), temperature=1.0,
                  generator=torch.Generator().manual_seed(0), **options)
-    assert len(calls.orders) >= 12 * model.config.n_layer
-    for order in calls.orders:
-        assert order.index(SDPBackend.CUDNN_ATTENTION) > order.index(SDPBackend.FLASH_ATTENTION), order
-        assert order.index(SDPBackend.CUDNN_ATTENTION) > order.index(SDPBackend.EFFICIENT_ATTENTION), order
+        assert torch.backends.cuda.cudnn_sdp_enabled()  # after it, the caller's setting again
+    assert len(calls.cudnn) >= 12 * model.config.n_layer and not any(calls.cudnn)
 
 
 DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], "mla": ATTENTION["mla"],
