@@ -891,8 +891,8 @@ def sampling_rows(results: Results, ckpt: Path, tmp: Path, log: Path, floor: flo
     new, device = (20 if smoke else 500), ("cpu" if smoke else "auto")
     ours = [sys.executable, "generate.py", f"ckpt={ckpt}", f"max_new_tokens={new}", f"device={device}"]
     for name, extra in {"default": [], "compile=false (eager)": ["compile=false"],
-                        "compile=true (inductor)": [] if smoke else ["compile=true"]}.items():
-        if name != "default" and not every:
+                        "compile=true (inductor)": ["compile=true"]}.items():
+        if name != "default" and not every or (smoke and "inductor" in name):  # (a smoke compiles nothing)
             continue
         measure(results, "coldstart", f"python generate.py: {name}", lambda e=extra, n=name: generate_row(
             [*ours, *e], "\n", new, log, tmp / f"gen_{n.split()[0]}", floor))
