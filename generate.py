@@ -202,7 +202,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
     kv_dtype = cfg.cache_dtype
     backend, t0 = cfg.step_backend(device), time.perf_counter()
-    decode_step = backend and CompiledDecodeStep(model, len(prompts), kv_dtype, backend)
+    decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype, backend) if backend else None
     if cfg.benchmark:
         built_s = time.perf_counter() - t0
         print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, built_s)

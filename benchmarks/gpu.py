@@ -40,7 +40,6 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
 import platform
 import re
@@ -64,6 +63,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.device import synchronized_clock  # noqa: E402
 from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
+from training.evaluation import target_windows  # noqa: E402
 from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
 from training.throughput import peak_tflops  # noqa: E402
 
@@ -799,17 +799,13 @@ def nanogpt_split_loss(ckpt_path: Path, smoke: bool) -> float:
     model.to(device).eval()
     val = np.fromfile(NANOGPT / "data/shakespeare_char/val.bin", dtype=np.uint16)
     val = torch.from_numpy(val.astype(np.int64))
-    block, n_targets = model.config.block_size, len(val) - 1
-    windows = math.ceil(n_targets / block)
-    x = torch.zeros(windows * block, dtype=torch.long)
-    y = torch.full((windows * block,), -1, dtype=torch.long)  # -1: padding, ignored
-    x[:n_targets], y[:n_targets] = val[:-1], val[1:]
+    x, y = target_windows(val, model.config.block_size)                # split_loss's windows
     total = 0.0
-    for xb, yb in zip(x.view(windows, block).split(64), y.view(windows, block).split(64)):
+    for xb, yb in zip(x.split(64), y.split(64)):
         with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
             _, loss = model(xb.to(device), yb.to(device))  # the mean over the batch's real targets
         total += loss.float().item() * int((yb >= 0).sum())
-    return total / n_targets
+    return total / (len(val) - 1)
 
 
 def ours_row(overrides: list[str], caches: Path, run_dir: Path, log: Path, against: tuple | None) -> dict:

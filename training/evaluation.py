@@ -47,18 +47,13 @@ def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 1
                          f"{tuple(tokens.shape)}")
     check_integer(windows_per_batch, "windows_per_batch", 1)
     kv_dtype = None if kv_dtype is None else storage_dtype(kv_dtype, "kv_dtype")
-    block_size = model.config.block_size
     device = next(model.parameters()).device
+    x, y = target_windows(tokens, model.config.block_size)              # (n_windows, block_size) each
     n_targets = len(tokens) - 1
-    n_windows = math.ceil(n_targets / block_size)
-    x = torch.zeros(n_windows * block_size, dtype=torch.long)
-    y = torch.full((n_windows * block_size,), -1, dtype=torch.long)  # -1: padding, ignored
-    x[:n_targets], y[:n_targets] = tokens[:-1].cpu(), tokens[1:].cpu()
-    x, y = x.view(n_windows, block_size), y.view(n_windows, block_size)  # (n_windows, block_size)
     was_training = model.training
     model.eval()
     total = 0.0
-    for i in range(0, n_windows, windows_per_batch):
+    for i in range(0, len(x), windows_per_batch):
         xb, yb = x[i:i + windows_per_batch].to(device), y[i:i + windows_per_batch].to(device)
         with amp or nullcontext():
             cache = None if kv_dtype is None else model.new_kv_cache(len(xb), dtype=kv_dtype)
@@ -67,3 +62,14 @@ def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 1
                                  reduction="sum").item()
     model.train(was_training)
     return total / n_targets
+
+
+def target_windows(tokens: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 1-D split cut into consecutive windows of block_size: inputs and targets (n_windows,
+    block_size) each, on the CPU, the last window padded with targets -1 (ignored)."""
+    n_targets = len(tokens) - 1
+    n_windows = math.ceil(n_targets / block_size)
+    x = torch.zeros(n_windows * block_size, dtype=torch.long)
+    y = torch.full((n_windows * block_size,), -1, dtype=torch.long)  # -1: padding, ignored
+    x[:n_targets], y[:n_targets] = tokens[:-1].cpu(), tokens[1:].cpu()
+    return x.view(n_windows, block_size), y.view(n_windows, block_size)

@@ -43,7 +43,6 @@ class TrainingState:
     """What the loop advances and a checkpoint saves."""
 
     model: GPT                    # the plain model, not its compiled or DDP wrapper
-    compiled: torch.nn.Module     # the model as the training step runs it: compiled, or the plain one
     optimizer: torch.optim.Optimizer
     batches: Batches              # the training batches, whose RNG state is saved
     run: RunConfig
@@ -88,16 +87,16 @@ def build(run: RunConfig, run_dir: Path, device, rank: int, world_size: int):
                       device=device, seed=cfg.seed, on_device=run.data.on_device)
     train_batches = batches(train_tokens)
     eval_batches = {"train": batches(train_batches.tokens), "val": batches(val_tokens)}  # same at every eval
-    state = TrainingState(model, compiled_model(model, cfg.compile, device), optimizer, train_batches,
-                          run, run_dir, device, rank)
+    state = TrainingState(model, optimizer, train_batches, run, run_dir, device, rank)
     if cfg.resume:
         optimizer.load_state_dict(run.source.optimizer)
         state.step, state.best_val = run.source.step, run.source.best_val
         restore_rng(run.source.rng["processes"], rank, device)
         state.batches.load_state_dict(run.source.rng["batches"])
         print0(f"resumed from {cfg.resume} at step {state.step} (best val {state.best_val:.4f})")
-    stepped = DDP(state.compiled, device_ids=[device.index] if device.type == "cuda" else None) \
-        if world_size > 1 else state.compiled
+    stepped = compiled_model(model, cfg.compile, device)  # what the training step runs
+    if world_size > 1:
+        stepped = DDP(stepped, device_ids=[device.index] if device.type == "cuda" else None)
     c = run.model
     print0(f"model: {model.num_params() / 1e6:.2f}M parameters, n_layer={c.n_layer} n_head={c.n_head} "
            f"n_kv_head={c.n_kv_head} n_embd={c.n_embd} block_size={c.block_size}, KV cache per token: "

@@ -28,7 +28,7 @@ class TrainStep:
                  world_size: int = 1):
         self.model, self.stepped, self.optimizer, self.batches = model, stepped, optimizer, batches
         self.grad_accum, self.grad_clip, self.amp, self.rows = cfg.grad_accum, cfg.grad_clip, amp, rows
-        self.world_size, self.graph = world_size, None
+        self.world_size, self.graphed, self.graph = world_size, graph, None  # captured by the first call
         if graph:
             device = next(model.parameters()).device
             shape = (cfg.grad_accum, cfg.batch_size, batches.block_size)   # (grad_accum, B, T)
@@ -37,10 +37,9 @@ class TrainStep:
             for group in optimizer.param_groups:  # a tensor the graph reads, filled before each replay
                 group["lr"] = torch.tensor(float(group["lr"]), device=device)
                 group["capturable"] = True
-            self.graph = "to capture"
 
     def __call__(self, lr: float) -> torch.Tensor:
-        if self.graph is None:
+        if not self.graphed:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             return self.run([self.batches.next() for _ in range(self.grad_accum)])
@@ -50,7 +49,7 @@ class TrainStep:
             self.y[micro].copy_(y[self.rows])
         for group in self.optimizer.param_groups:
             group["lr"].fill_(lr)
-        if self.graph == "to capture":
+        if self.graph is None:
             self.graph, self.loss = self.capture()
         self.graph.replay()
         return self.loss
