@@ -402,10 +402,9 @@ def test_a_cache_stores_only_its_dtypes_given_by_dtype_or_name():
                          ({"batch_size": 1, "dtype": torch.int64}, "dtype must be one of float32")]:
         with pytest.raises(ValueError, match=message):
             model.new_kv_cache(**bad)
-    other = CompiledDecodeStep(tiny_model(seed=1), batch_size=2, backend="aot_eager")
-    with pytest.raises(ValueError, match="built for this model"):  # another model's step
-        generate(model, idx, 2, decode_step=other)
     float32_step = CompiledDecodeStep(model, batch_size=2, backend="aot_eager")
+    with pytest.raises(ValueError, match="built for this model"):  # another model's step
+        generate(tiny_model(seed=1), idx, 2, decode_step=float32_step)
     with pytest.raises(ValueError, match="kv_dtype=torch.int8, but the decode step.s cache stores"):
         generate(model, idx, 2, decode_step=float32_step, kv_dtype="int8")
     with pytest.raises(ValueError, match="cuda_graph on CUDA"):  # a CUDA graph of a model on the CPU
