@@ -11,6 +11,7 @@
 callable from Python; `main` is the Hydra wrapper.
 """
 
+import gc
 import os
 import signal
 import sys
@@ -357,3 +358,4 @@ if __name__ == "__main__":
     sys.argv[1:] = quote_literal_options(sys.argv[1:], LITERAL_OPTIONS)
     composed_jobs(CONFIGS, "generate", sys.argv[1:])  # Hydra's errors: one line
     main()
+    gc.freeze()  # exiting: no last collection over the objects torch made (~0.7 s on a CPU)

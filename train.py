@@ -9,6 +9,7 @@ This file is the command line: every job's options are checked (cli.options.chec
 Hydra creates a run dir, then each is trained by training/loop.py, the loop in nanoGPT's order.
 """
 
+import gc
 import os
 import signal
 import sys
@@ -46,3 +47,4 @@ if __name__ == "__main__":
     for job_cfg, overrides in composed_jobs(CONFIGS, "train", sys.argv[1:]):  # before any run dir exists
         checked_jobs.append((job_cfg, exit_on_user_error(check_options, job_cfg, overrides)))
     main()
+    gc.freeze()  # exiting: no last collection over the objects torch made (~0.7 s on a CPU)

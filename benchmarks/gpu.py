@@ -605,10 +605,10 @@ def plot_variants(rows: list[dict], path: Path) -> None:
 
 def profile_section(results: Results, device: torch.device, smoke: bool) -> None:
     """Where a step's time goes: wall time per step against the GPU's busy time (the kernels'
-    summed device time, from the profiler) for the recipe's compiled training step and for
+    summed device time, from the profiler) for the recipe's training step, eager and compiled, and for
     batch-1 decoding with the compiled step; each profile's top operations go to profile_*.txt."""
-    for mode in ("default", "reduce-overhead"):  # the recipe's compile, and the step as CUDA graphs
-        measure(results, "profile", f"training step (the recipe's, bf16, compiled, mode {mode})",
+    for mode in ("eager", "default", "reduce-overhead"):  # the recipe's step, compiled, and as CUDA graphs
+        measure(results, "profile", f"training step (the recipe's, bf16, {mode})",
                 lambda mode=mode: profile_training(results.out, device, smoke, mode))
     for name, shape in DECODE_SHAPES.items():
         measure(results, "profile", f"decode, {name}", lambda name=name, shape=shape: profile_decode(
@@ -635,13 +635,16 @@ def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, in
 
 def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "default") -> dict:
     """The recipe's step (6/6/384 with RoPE, block 256, batch 64, dropout 0.2) as the loop takes it:
-    bf16 autocast forward and backward of the compiled model (torch.compile's `mode`; the loop
-    compiles with the default), clipping, fused AdamW."""
+    bf16 autocast forward and backward of the model, eager (mode "eager") or compiled (torch.compile's
+    `mode`), clipping, fused AdamW."""
     torch.manual_seed(0)
     config = recipe_config(smoke, dropout=0.2, pos_emb="rope")
     model = GPT(config).to(device)
     optimizer = configure_optimizer(model, "adamw", 1e-3, (0.9, 0.99), 0.1)
-    compiled = torch.compile(model, backend="aot_eager") if smoke else torch.compile(model, mode=mode)
+    if mode == "eager":  # the GPU recipe's (its CUDA graph replays these kernels)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager") if smoke else torch.compile(model, mode=mode)
     batch = 4 if smoke else 64
     x = torch.randint(0, 65, (batch, config.block_size), device=device)
     amp = torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda")
@@ -697,6 +700,8 @@ COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a us
     "compiled blocks, no CUDA graph": ["train.compile=blocks", "train.cuda_graph=false"],
     "compiled blocks in a CUDA graph": ["train.compile=blocks", "train.cuda_graph=true"],
     "1000 steps": ["train.max_iters=1000"],
+    "900 steps": ["train.max_iters=900"],
+    "1000 steps, lr 3e-3": ["train.max_iters=1000", "train.lr=3e-3"],
     "batch 128, 600 steps": ["train.batch_size=128", "train.max_iters=600", "train.eval_interval=200"],
     "no checkpoint writes": ["train.checkpoints=false"],
 }

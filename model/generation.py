@@ -254,11 +254,15 @@ def new_tokens_allowed(config, prompt_len: int) -> float:
 
 def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_size=None) -> list[int]:
     """A sample as nanoGPT's sample.py draws it (temperature 0.8, top_k 200, seeded): `prompt` and
-    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed)."""
+    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed). On
+    CUDA each token is one replay of the step captured as a CUDA graph, as `generate.py` samples
+    there, not a pass of the model launched kernel by kernel from Python."""
     device = model.wte.weight.device
     n = min(max_new_tokens, new_tokens_allowed(model.config, len(prompt)))
+    step = CompiledDecodeStep(model.eval(), backend="cuda_graph") if device.type == "cuda" and n > 1 else None
     out = generate(model.eval(), torch.tensor([prompt], device=device), n, temperature=0.8, top_k=200,
-                   vocab_size=vocab_size, generator=torch.Generator(device=device).manual_seed(seed))
+                   vocab_size=vocab_size, generator=torch.Generator(device=device).manual_seed(seed),
+                   decode_step=step)
     return out[0].tolist()
 
 

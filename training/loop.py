@@ -8,7 +8,7 @@ evaluate and save (`evaluate`, `finish`). `train(run, run_dir)` trains as a chec
 import math
 import signal
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from training.distributed import init_distributed, mean_over_ranks, print0
 from training.evaluation import estimate_loss, split_loss
 from training.optimizer import configure_optimizer
 from training.options import RunConfig, TrainConfig
-from training.plots import plot_losses
+from training.plots import import_in_background, plot_losses
 from training.rng import restore_rng, rng_states_of_ranks, seed_rngs
 from training.run_dir import (
     MetricsLog,
@@ -33,6 +33,7 @@ from training.run_dir import (
     remove_stale_temp_files,
     stop_requests,
 )
+from training.saver import BackgroundSaver
 from training.step import TrainStep, portable_state
 from training.throughput import Throughput, autocast
 
@@ -52,14 +53,16 @@ class TrainingState:
     step: int = 0
     best_val: float = math.inf
     last_saved: Path | None = None
+    saver: BackgroundSaver = field(default_factory=BackgroundSaver)  # checkpoints written while training
 
     def save(self, name: str, stopping: bool = False, also=()) -> Path | None:  # every rank calls it
-        """Rank 0 writes the checkpoint `name` in the run dir, and the names in `also` as the same file."""
+        """Rank 0 starts writing the checkpoint `name` in the run dir, and the names in `also` as the
+        same file (in the background: `saver.wait()` for it)."""
         if not (self.run.train.checkpoints or stopping):
             return None  # train.checkpoints=false: a timing run saves only when stopped by a signal
         path, processes = self.run_dir / name, rng_states_of_ranks(self.device)
         if self.rank == 0:
-            checkpoint.save(path, also=[self.run_dir / n for n in also], ckpt=checkpoint.Checkpoint(
+            self.saver.save(path, also=[self.run_dir / n for n in also], ckpt=checkpoint.Checkpoint(
                 model=self.model.state_dict(), model_config=self.model.config, data_meta=self.run.meta,
                 config=self.run.config, step=self.step, best_val=self.best_val,
                 optimizer=portable_state(self.optimizer),
@@ -158,26 +161,29 @@ def train(run: RunConfig, run_dir) -> dict:
                          uses_cuda_graph(cfg, device, world_size), world_size)
         speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(), world_size,
                            cfg.peak_tflops and cfg.peak_tflops * 1e12)  # None: a GPU's from its name
-        with stop_requests() as stop:
-            while True:
-                if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
-                    evaluate(state, eval_batches, amp, rows, log)
-                    speed.restart()  # throughput counts training only
-                if state.step == cfg.max_iters:
-                    break
-                lr = lr_at(state.step, cfg)
-                loss = step(lr)
-                state.step += 1
-                speed.step_done()
-                if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
-                    loss = mean_over_ranks(loss.detach())
-                    if not math.isfinite(loss_value := loss.item()):
-                        raise state.diverged("loss", loss_value)
-                    log.training_step(state.step, loss_value, lr, *speed.read())
-                log.bar.update(1)
-                if stop.on_any_rank(device, state.step, cfg.log_interval):
-                    break
-        return finish(state, log, amp, stop)
+        if rank == 0 and cfg.max_iters > state.step:
+            import_in_background()  # for the loss plot at the end
+        with state.saver:  # every checkpoint written (or its error raised) before train returns
+            with stop_requests() as stop:
+                while True:
+                    if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
+                        evaluate(state, eval_batches, amp, rows, log)
+                        speed.restart()  # throughput counts training only
+                    if state.step == cfg.max_iters:
+                        break
+                    lr = lr_at(state.step, cfg)
+                    loss = step(lr)
+                    state.step += 1
+                    speed.step_done()
+                    if state.step % cfg.log_interval == 0 or state.step == cfg.max_iters:
+                        loss = mean_over_ranks(loss.detach())
+                        if not math.isfinite(loss_value := loss.item()):
+                            raise state.diverged("loss", loss_value)
+                        log.training_step(state.step, loss_value, lr, *speed.read())
+                    log.bar.update(1)
+                    if stop.on_any_rank(device, state.step, cfg.log_interval):
+                        break
+            return finish(state, log, amp, stop)
     finally:
         release_run_dir(run_dir)
 
@@ -196,8 +202,7 @@ def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: Me
     if state.step > 0 or state.step == cfg.max_iters:
         improved = losses["val"] < state.best_val
         state.best_val = min(state.best_val, losses["val"])
-        # best.pt, when val improved, is the file ckpt.pt is now, written once: the GPU recipe's
-        # checkpoint is 128 MB flushed to disk, and its run took 2-6 s less without them (H200)
+        # best.pt, when val improved, is the file ckpt.pt is now: one write, in the background
         state.last_saved = state.save("ckpt.pt", also=["best.pt"] if improved else [])
 
 
@@ -216,6 +221,7 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
     log.close()
     if stop:
         path = state.save("ckpt.pt", stopping=True)
+        state.saver.wait()
         print0(f"{signal.Signals(stop[0]).name}: saved {path} at step {state.step}; continue with: "
                f"python train.py train.resume={run_dir}")
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
@@ -226,6 +232,7 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
             with eager(state):
                 ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
             print0(f"--- sample ---{tok.decode(ids)}\n--- end of sample ---")
+    state.saver.wait()  # the last checkpoint on disk: the path printed is a complete file
     best = run_dir / "best.pt" if (run_dir / "best.pt").is_file() else state.last_saved  # resumed, not beaten
     note = " (from before the resume)" if best and best.name != "best.pt" else ""
     print0(f"best val loss {state.best_val:.4f}{note}; checkpoint: {best or 'none (checkpoints=false)'}")

@@ -1,7 +1,8 @@
 """Figures: matplotlib set up to draw to files, and a run's loss curves (its loss.png). matplotlib is
-imported only when a figure is drawn."""
+imported only when a figure is drawn, or ahead of one in the background (`import_in_background`)."""
 
 import logging
+import threading
 from pathlib import Path
 
 from training.run_dir import read_metrics
@@ -16,6 +17,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def import_in_background() -> None:
+    """Import matplotlib (~0.5 s) on a thread, while the GPU trains, so that the loss plot at the
+    end does not wait for it (a later `pyplot()` waits for this import to end, if it has not)."""
+    threading.Thread(target=pyplot, name="matplotlib import", daemon=True).start()
 
 
 def save_figure(fig, path, grid_axis: str = "both") -> None:
