@@ -702,6 +702,8 @@ COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a us
     "1000 steps": ["train.max_iters=1000"],
     "900 steps": ["train.max_iters=900"],
     "1000 steps, lr 3e-3": ["train.max_iters=1000", "train.lr=3e-3"],
+    "no biases": ["model.bias=false"],
+    "no biases, RMSNorm": ["model.bias=false", "model.norm=rmsnorm"],
     "batch 128, 600 steps": ["train.batch_size=128", "train.max_iters=600", "train.eval_interval=200"],
     "no checkpoint writes": ["train.checkpoints=false"],
 }
