@@ -699,19 +699,21 @@ COLD_LEVERS = {  # name: overrides of `python train.py` (the GPU recipe, as a us
     "compiled model in a CUDA graph": ["train.compile=true", "train.cuda_graph=true"],
     "compiled blocks, no CUDA graph": ["train.compile=blocks", "train.cuda_graph=false"],
     "compiled blocks in a CUDA graph": ["train.compile=blocks", "train.cuda_graph=true"],
-    "1000 steps": ["train.max_iters=1000"],
-    "900 steps": ["train.max_iters=900"],
-    "1000 steps, lr 3e-3": ["train.max_iters=1000", "train.lr=3e-3"],
+    "1250 steps, lr 2e-3": ["train.max_iters=1250", "train.lr=2e-3"],
+    "1000 steps, lr 2e-3": ["train.max_iters=1000", "train.lr=2e-3"],
+    "900 steps, lr 2e-3": ["train.max_iters=900", "train.lr=2e-3"],
     "no biases": ["model.bias=false"],
     "no biases, RMSNorm": ["model.bias=false", "model.norm=rmsnorm"],
     "batch 128, 600 steps": ["train.batch_size=128", "train.max_iters=600", "train.eval_interval=200"],
     "no checkpoint writes": ["train.checkpoints=false"],
 }
-COLD_GROUPS = {  # the plan's two commands
+COLD_GROUPS = {  # the plan's commands (first, second: the first rental; schedule, layers: the second)
     "first": ["CUDA graph, no compile", "compiled blocks in a CUDA graph", "no compile, no CUDA graph",
               "compiled model in a CUDA graph", "compiled blocks, no CUDA graph"],
-    "second": ["recipe", "recipe, warm caches", "1000 steps", "batch 128, 600 steps", "no checkpoint writes",
-               "compiled model, no CUDA graph"],
+    "second": ["recipe", "recipe, warm caches", "1000 steps, lr 2e-3", "batch 128, 600 steps",
+               "no checkpoint writes", "compiled model, no CUDA graph"],
+    "schedule": ["1250 steps, lr 2e-3", "1000 steps, lr 2e-3", "900 steps, lr 2e-3", "recipe"],
+    "layers": ["recipe", "recipe, warm caches", "no biases", "no biases, RMSNorm"],
 }
 SMOKE_COLD = ["no compile, no CUDA graph", "recipe", "recipe, warm caches"]
 SMOKE_RUNS = 2  # a smoke run's levers differ only in overrides it turns off: two show the script works

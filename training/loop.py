@@ -161,8 +161,8 @@ def train(run: RunConfig, run_dir) -> dict:
                          uses_cuda_graph(cfg, device, world_size), world_size)
         speed = Throughput(run.tokens_per_step(world_size), device, state.model.flops_per_token(), world_size,
                            cfg.peak_tflops and cfg.peak_tflops * 1e12)  # None: a GPU's from its name
-        if rank == 0 and cfg.max_iters > state.step:
-            import_in_background()  # for the loss plot at the end
+        if rank == 0:
+            import_in_background()  # matplotlib, for the loss plot at the end
         with state.saver:  # every checkpoint written (or its error raised) before train returns
             with stop_requests() as stop:
                 while True:

@@ -76,7 +76,7 @@ def test_nanogpt_recipes():
 def test_the_gpu_recipe_is_nanogpts_model_with_rope_a_cuda_graph_step_and_a_bounded_evaluation():
     gpu, nanogpt = compose("experiment=shakespeare_char_gpu"), compose("experiment=shakespeare_char")
     assert {**gpu.model, "pos_emb": "learned"} == {**nanogpt.model} and gpu.model.pos_emb == "rope"
-    assert (gpu.train.lr, gpu.train.max_iters, gpu.train.lr_decay_iters) == (2e-3, 1250, 1250)
+    assert (gpu.train.lr, gpu.train.max_iters, gpu.train.lr_decay_iters) == (3e-3, 1000, 1000)
     assert (gpu.train.dtype, gpu.train.compile, gpu.train.cuda_graph) == ("auto", False, "auto")
     assert gpu.data.on_device
     evaluated = lambda cfg: cfg.train.max_iters // cfg.train.eval_interval * cfg.train.eval_iters
