@@ -1035,7 +1035,9 @@ def main(argv=None) -> list[dict]:
         args.levers or (SMOKE_COLD if args.smoke else ["first"]))
     results = Results(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke: the numbers mean nothing)"
-    print(f"{name}, PyTorch {torch.__version__}; results in {args.out}: results.jsonl, tables.md", flush=True)
+    bytecode = (Path(torch.__file__).parent / "__pycache__").is_dir(), not sys.dont_write_bytecode
+    print(f"{name}, PyTorch {torch.__version__} (torch's bytecode cached: {bytecode[0]}; Python writes "
+          f"bytecode: {bytecode[1]}); results in {args.out}: results.jsonl, tables.md", flush=True)
     start = len(results.rows())
     for section in args.section:
         {"probe": lambda: probe_section(results, device, args.smoke),

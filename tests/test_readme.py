@@ -22,8 +22,9 @@ TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train
                  "train.compile=false", "train.full_val=false"]
 APPENDED = {  # what each command line gets appended (last wins in Hydra's overrides)
     "train.py": TINY_TRAINING,
-    "benchmarks/attention_study.py": [*TINY_TRAINING, "study.variants=[mha]", "study.seeds=[0]",
-                                      "study.uptrain_iters=2", "study.decode_context=32",
+    # batch 16: each run scores the whole val split, batch_size windows at a time (batch 2: 1,743 passes)
+    "benchmarks/attention_study.py": [*TINY_TRAINING, "train.batch_size=16", "study.variants=[mha]",
+                                      "study.seeds=[0]", "study.uptrain_iters=2", "study.decode_context=32",
                                       "study.decode_batch_sizes=[1,2]"],
     "generate.py": ["max_new_tokens=8"],
 }

@@ -3,6 +3,7 @@ at config time with a message that names the field."""
 
 import dataclasses
 import functools
+import math
 import typing
 
 import pytest
@@ -207,15 +208,26 @@ FLOAT_OPTIONS = [(config, prefix, f.name) for config, prefix, schema in GROUPS
                  for f in dataclasses.fields(schema) if float in (f.type, *typing.get_args(f.type))]
 
 
+@functools.cache
+def composed(config: str):
+    return compose(*(["ckpt=run"] if config == "generate" else []), config_name=config)
+
+
 @pytest.mark.parametrize("config,prefix,field", FLOAT_OPTIONS, ids=[f"{p}{f}" for _, p, f in FLOAT_OPTIONS])
 def test_every_float_option_must_be_finite(config, prefix, field):
     """inf, -inf and nan are refused at config time, by name, however the range check reads."""
-    for value in ("inf", "-inf", "nan"):
-        cfg = compose(f"{prefix}{field}={value}", *(["ckpt=run"] if config == "generate" else []),
-                      config_name=config)
-        node = cfg[prefix.rstrip(".")] if prefix else cfg
-        with pytest.raises(ValueError, match=rf"^{prefix}{field}\b.*{value.lstrip('-')}"):
+    for value in (math.inf, -math.inf, math.nan):
+        node = composed(config).copy()
+        node = node[prefix.rstrip(".")] if prefix else node
+        node[field] = value
+        with pytest.raises(ValueError, match=rf"^{prefix}{field}\b.*{repr(value).lstrip('-')}"):
             model_config(node, vocab_size=65) if prefix == "model." else config_object(node, prefix)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan"])
+def test_inf_and_nan_typed_on_the_command_line_reach_the_check(value):
+    with pytest.raises(ValueError, match=rf"^train.lr\b.*{value.lstrip('-')}"):
+        config_object(compose(f"train.lr={value}").train, "train.")
 
 
 def test_unknown_model_field_names_itself():
@@ -227,11 +239,6 @@ INT_TYPES = {f.name: f.type for _, _, schema in GROUPS for f in dataclasses.fiel
 INT_OPTIONS = [(config, prefix, f.name) for config, prefix, schema in GROUPS
                for f in dataclasses.fields(schema)
                if int in (f.type, *typing.get_args(f.type)) or f.type == list[int]]
-
-
-@functools.cache
-def composed(config: str):
-    return compose(*(["ckpt=run"] if config == "generate" else []), config_name=config)
 
 
 @pytest.mark.parametrize("config,prefix,field", INT_OPTIONS, ids=[f"{p}{f}" for _, p, f in INT_OPTIONS])
