@@ -193,7 +193,8 @@ def apply_rope(x, cos, sin):
     operations, in x's precision (bf16 under autocast: half the memory traffic of a float32 round
     trip, as nanochat and transformers' Llama rotate). cos and sin are rope_angles', (T, d) or
     (B, 1, T, d)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if cos.dtype != x.dtype:  # (bf16 under autocast; a call where they match costs a CPU decode ~15 µs)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([x2, x1], dim=-1) * sin  # (x2, x1): roll's result, in a faster kernel
 
