@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 
 # What user input can cause: a bad value (ValueError, UnicodeDecodeError included), a missing
@@ -35,10 +36,19 @@ def raised_inside_torch(error: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(os.path.dirname(torch.__file__) + os.sep)
 
 
+# Under torchrun, how long the processes after a machine's first wait before exiting on a user error.
+LATER_RANKS_WAIT_S = 5.0
+
+
 def user_error(message: str) -> str | int:
     """What a process exits with for a user error: `error: <message>`, printed, or under torchrun,
-    where every process of a machine checks the same options, 1 from all but the machine's first."""
-    return f"error: {message}" if int(os.environ.get("LOCAL_RANK", 0)) == 0 else 1
+    where every process of a machine checks the same options, 1 from all but the machine's first.
+    Those wait first: torchrun stops every process as soon as one fails, and one failing before the
+    first has printed its line would stop it unsaid (the first's exit stops them at once)."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        return f"error: {message}"
+    time.sleep(LATER_RANKS_WAIT_S)
+    return 1
 
 
 def exit_on_user_error(fn, *args, **kwargs):

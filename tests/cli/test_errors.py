@@ -1,8 +1,11 @@
 """cli/errors.py: the one guard every command line uses, and each entry point's one-line errors."""
 
+import time
+
 import pytest
 import torch
 
+from cli import errors
 from cli.errors import exit_on_user_error, naming, user_error
 from model.config import GPTConfig
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
@@ -157,12 +160,15 @@ def test_every_entry_point_reports_one_line(name, entry_point_runs):
 
 
 def test_under_torchrun_the_first_process_of_each_machine_says_the_error(monkeypatch):
-    """Every process checks the same options; the others exit 1 without a word (a job's one line)."""
+    """Every process checks the same options; the others exit 1 without a word (a job's one line),
+    after waiting for the first to say it (torchrun stops every process when one fails)."""
     assert user_error("bad") == "error: bad"
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert user_error("bad") == "error: bad"
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert user_error("bad") == 1
+    monkeypatch.setattr(errors, "LATER_RANKS_WAIT_S", 0.2)
+    start = time.monotonic()
+    assert user_error("bad") == 1 and time.monotonic() - start >= 0.2
 
 
 # Every naming(option, argument) of the repo (cli/options.py, cli/configs.py, the attention study),
