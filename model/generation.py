@@ -291,7 +291,7 @@ def prefill(model, tokens, cache=None, pad=None, chunk=None, share_prefix=True):
     if not shared:
         return feed(model, context, cache, context_pad, chunk), context_pad
     start = 0 if context_pad is None else int(context_pad[0])
-    prefix = model.new_kv_cache(1, shared, ring=False)                   # plain slots, compute dtype
+    prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain slots, as cache stores
     logits = feed(model, context[:1, start:start + shared], prefix, None, chunk)  # (1, vocab)
     cache.fill_from(prefix, context.size(0), context_pad)
     if shared == context.size(1):  # every row is this prompt

@@ -43,10 +43,13 @@ class KVCache:
     With `value_dim_in_keys=L`, each V is K's first L columns (MLA caches one latent that serves as
     both), so only K takes memory.
 
-    `windows` gives each slot's window (None: its layers see the whole context). A slot whose window
-    plus `sinks` fits in max_len is a ring: `sinks` slots keep each row's first positions forever
-    (StreamingLLM), then position p overwrites slot sinks + p % window, so positions never run out.
-    Every other slot holds max_len positions, position p in slot p. Only the cache moves `length`
+    `windows` gives each slot's window (None: its layers see the whole context). A windowed slot is
+    a ring of sinks + window slots when positions may outrun it: when its window plus `sinks` fits
+    in max_len, or when every slot has a window that max_len reaches (then nothing bounds the
+    positions but the caller: the ring takes them without end, its sinks too, even where sinks +
+    window exceed max_len). In a ring, `sinks` slots keep each row's first positions forever
+    (StreamingLLM), then position p overwrites slot sinks + p % window. Every other slot holds
+    max_len positions, position p in slot p. Only the cache moves `length`
     (the positions written); slots past it hold stale values the mask hides, so shapes never change
     and decode can be compiled. Storing in another dtype, it keeps one slot's K and V in
     compute_dtype too (`read_buffer`), into which each layer converts its own: much faster than a
@@ -55,11 +58,16 @@ class KVCache:
     def __init__(self, windows, batch_size, n_kv_head, max_len, key_dim, *, sinks=0, value_dim_in_keys=0,
                  dtype=torch.float32, compute_dtype=None, device=None):
         self.windows, self.sinks = list(windows), sinks
-        self.rings = [w is not None and max_len >= sinks + w for w in self.windows]
+        endless = all(w is not None and max_len >= w for w in self.windows)
+        self.rings = [w is not None and (endless or max_len >= sinks + w) for w in self.windows]
         self.slot_lens = [sinks + w if ring else max_len for w, ring in zip(self.windows, self.rings)]
         self.ring = all(self.rings)  # only rings: the cache is never full
+        dtype = storage_dtype(dtype)
         self.quantized = dtype == torch.int8
-        self.dtype, self.compute_dtype = dtype, compute_dtype or (torch.float32 if self.quantized else dtype)
+        compute_dtype = compute_dtype or (torch.float32 if self.quantized else dtype)
+        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype!r}")
+        self.dtype, self.compute_dtype = dtype, compute_dtype
         self.value_dim_in_keys = value_dim_in_keys
         self.batch_size, self.max_len = batch_size, max(self.slot_lens)
         kv = ["k"] if value_dim_in_keys else ["k", "v"]
@@ -110,8 +118,6 @@ class KVCache:
     def store(self, slot, name, input_pos, x, pad=None) -> torch.Tensor:
         """Store x (B, heads, T, dim) at positions input_pos (T,): a ring keeps the last `window` of
         them and each row's first `sinks`. Returns x as the cache reads it back, in compute_dtype."""
-        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
-        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None  # (.., 1)
         if self.quantized:
             given = x
             x, scale = quantize_rows(x)                                        # (B, heads, T, dim), (.., 1)
@@ -123,6 +129,14 @@ class KVCache:
         else:
             x, scale = x.to(self.dtype), None
             new = x.to(self.compute_dtype)
+        self.place(slot, name, input_pos, x, scale, pad)
+        return new
+
+    def place(self, slot, name, input_pos, x, scale=None, pad=None) -> None:
+        """Put x (B, heads, T, dim), already in the stored dtype (int8: with its scale (.., 1)), at
+        the slots positions input_pos (T,) go to."""
+        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
+        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None  # (.., 1)
         slots, last = input_pos, slice(None)
         if self.rings[slot]:
             window = self.windows[slot]
@@ -132,21 +146,27 @@ class KVCache:
         stored.index_copy_(2, slots, x[:, :, last])
         if scales is not None:
             scales.index_copy_(2, slots, scale[:, :, last])
-        return new
 
     def fill_from(self, prefix: "KVCache", rows: int, pad=None) -> None:
         """Every row as if it had been fed positions 0 .. prefix.length - 1, row b's position p at
         column pad[b] + p: a prompt prefix shared by every row, computed once (in `prefix`, one row
-        of plain slots in compute_dtype) and written into each of the first `rows`. Columns before a
-        row's pad get its position 0 again, which the mask hides as padding."""
+        of plain slots stored in this cache's dtype, so that every layer after the first read the
+        keys a row alone reads) and copied, as stored, into each of the first `rows`. Columns before
+        a row's pad get its position 0 again, which the mask hides as padding."""
+        if prefix.dtype != self.dtype or any(prefix.rings):
+            raise ValueError(f"the prefix must be plain slots stored in {self.dtype}, got {prefix.dtype}")
         n = prefix.length
         columns = torch.arange(n, device=prefix.stored["k"][0].device)
         source = columns if pad is None else (columns - pad[:, None]).clamp(min=0)  # (n,) or (B, n)
         source = source.expand(rows, n) if pad is None else source               # (B, n)
-        for name, slots in prefix.stored.items():
-            for slot, kv in enumerate(slots):
-                each_row = kv[0, :, :n][:, source]                             # (heads, B, n, dim)
-                self.store(slot, name, columns, each_row.transpose(0, 1), pad)
+
+        def each_row(stored):                                                  # (1, heads, >= n, dim)
+            return stored[0, :, :n][:, source].transpose(0, 1)                 # (B, heads, n, dim)
+
+        for name in ["k", "v"][:1 if self.value_dim_in_keys else 2]:
+            for slot, kv in enumerate(prefix.stored[name]):
+                scale = each_row(prefix.stored[f"{name}_scale"][slot]) if self.quantized else None
+                self.place(slot, name, columns, each_row(kv), scale, pad)
         self.length = n
 
     def read(self, name, stored, scales, n):

@@ -35,6 +35,7 @@ ATTENTION = {
 ENDLESS = {
     "window": {"attn_window": 6},
     "window, sinks": {"attn_window": 6, "attn_sinks": 2},
+    "window = block, sinks": {"attn_window": 24, "attn_sinks": 2},  # the ring is longer than block_size
     "gqa window, sinks, sink logit": {"n_kv_head": 2, "attn_window": 6, "attn_sinks": 3,
                                       "attn_sink_logit": True},
     "mla window, sinks": ATTENTION["mla"] | {"attn_window": 5, "attn_sinks": 1},
@@ -75,6 +76,25 @@ def cache_kind_model(overrides):
         if block.attn.sinks is not None:
             block.attn.sinks.data.normal_(0, 2)
     return model
+
+
+def stream_logits(model, prompts, max_new_tokens: int, **kwargs) -> tuple[list, list]:
+    """Each row's tokens, as `generate` returns them for a list of prompts, and the logits each new
+    token was drawn from (the model's last forward before it): (rows, [(B, vocab)] per token)."""
+    from model.generation import Sampling, left_pad, stream
+
+    sampling = Sampling(max_new_tokens, kwargs.pop("temperature", 0), kwargs.pop("top_k", None))
+    idx, pad = left_pad(prompts, model.wte.weight.device)
+    outputs = []
+    hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[:, -1]))
+    try:
+        steps = [(token, outputs[-1]) for token in stream(model, idx, sampling, pad=pad, **kwargs)]
+    finally:
+        hook.remove()
+    new = torch.stack([token for token, _ in steps], dim=1)                  # (B, max_new_tokens)
+    pads = [0] * len(prompts) if pad is None else pad.tolist()
+    rows = [torch.cat([row[p:], n]) for row, p, n in zip(idx, pads, new)]
+    return rows, [logits for _, logits in steps]
 
 
 def hf_gpt2(path, **overrides):

@@ -22,11 +22,11 @@ from model.generation import (
     sample_next,
     stream,
 )
-from tests.helpers import ATTENTION, BOUNDED, ENDLESS, VARIANTS, cache_kind_model, tiny_model
+from tests.helpers import ATTENTION, BOUNDED, ENDLESS, VARIANTS, cache_kind_model, stream_logits, tiny_model
 from training.evaluation import split_loss
 
-PREFILL = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1},
-           "prefix not shared": {"share_prefix": False}}
+FILLS = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1}}
+PREFILL = FILLS | {"prefix not shared": {"share_prefix": False}}
 
 
 def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):
@@ -483,28 +483,37 @@ def test_split_loss_checks_its_arguments_and_batches_as_asked():
                          ids=["greedy", "seeded"])
 def test_every_cache_kind_and_prefill_gives_the_uncached_tokens(kind, prefill, sampling):
     """Batched prompts of three lengths sharing a prefix, each way of filling the cache: the tokens
-    the uncached reference gives, 3x past block_size (24) where the design generates past it."""
+    the uncached reference gives, drawn from its logits (to float32 rounding), 3x past block_size
+    (24) where the design generates past it."""
     model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
     prompts = prompts_sharing_a_prefix()
     n = 3 * 24 if kind in ENDLESS else 24 - 17
-    runs = [generate(model, prompts, n, kv_cache=kv, **sampling, **(prefill if kv else {}),
-                     generator=[torch.Generator().manual_seed(row) for row in range(3)])
-            for kv in (True, False)]
-    assert [len(t) for t in runs[0]] == [4 + n, 11 + n, 17 + n]
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    (rows, logits), (rows_ref, logits_ref) = [
+        stream_logits(model, prompts, n, kv_cache=kv, **sampling, **(prefill if kv else {}),
+                      generator=[torch.Generator().manual_seed(row) for row in range(3)])
+        for kv in (True, False)]
+    assert [len(t) for t in rows] == [4 + n, 11 + n, 17 + n]
+    assert all(torch.equal(a, b) for a, b in zip(rows, rows_ref))
+    torch.testing.assert_close(torch.stack(logits), torch.stack(logits_ref), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["window, sinks", "gqa window, sinks, sink logit", "local/global"])
-@pytest.mark.parametrize("dtype", [torch.int8, torch.bfloat16])
-def test_every_prefill_of_a_low_precision_cache_gives_the_same_tokens(kind, dtype):
-    """int8 and bfloat16 caches round what they store, so their reference is themselves: one shot,
-    chunks, one token at a time and a shared prefix all attend to the keys as the cache holds them."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("kind", [*ENDLESS, *BOUNDED])
+def test_every_batched_row_is_its_prompt_alone_in_every_cache_precision(kind, dtype):
+    """Rows sharing a prefix, each way of filling the cache, the prefix computed once or per row:
+    every row's tokens, and the logits each was drawn from, are those of its prompt decoded alone in
+    a cache of that precision (int8 and bfloat16 round what they store, so a shared prefix must be
+    computed as stored, as the row alone computes it), past the block where the design goes on."""
     model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
     prompts = prompts_sharing_a_prefix()
-    n = 3 * 24 if kind in ENDLESS else 24 - 17
-    runs = [generate(model, prompts, n, temperature=0, kv_dtype=dtype, **prefill)
-            for prefill in PREFILL.values()]
-    assert all(torch.equal(a, b) for run in runs[1:] for a, b in zip(runs[0], run))
+    n = 24 + 8 if kind in ENDLESS else 24 - 17
+    alone = [stream_logits(model, [prompt], n, kv_dtype=dtype) for prompt in prompts]
+    for fill, share in itertools.product(FILLS.values(), (True, False)):
+        rows, logits = stream_logits(model, prompts, n, kv_dtype=dtype, share_prefix=share, **fill)
+        for r, (row_alone, logits_alone) in enumerate(alone):
+            assert torch.equal(rows[r], row_alone[0]), (fill, share, r)
+            torch.testing.assert_close(torch.stack([step[r] for step in logits]),
+                                       torch.cat(logits_alone), atol=1e-6, rtol=0, msg=f"{fill} {share} {r}")
 
 
 @pytest.mark.parametrize("kind", ["window, sinks", "local/global", "full"])
