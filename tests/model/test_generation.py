@@ -19,6 +19,7 @@ from model.generation import (
     decode_backends,
     generate,
     load_model,
+    new_tokens_allowed,
     sample_next,
     stream,
 )
@@ -548,3 +549,65 @@ def test_a_sink_model_generates_ten_times_past_block_size_at_constant_cache_byte
 def test_a_prefill_chunk_is_checked_once():
     with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
         generate(tiny_model(), torch.zeros(1, 3, dtype=torch.long), 2, prefill_chunk=0)
+
+
+# How far a batched row's logits may be from its prompt's alone: float32's rounding; in a cache that
+# rounds what it stores, the one step of its rounding that float32's can tip a stored number over.
+ROUNDING = {torch.float32: 1e-6, torch.bfloat16: 1e-4, torch.int8: 1e-4}
+
+
+def random_cache_case(rng: random.Random) -> tuple[dict, list, dict, int]:
+    """A random model of every option a cache depends on (attention kind, sharing, windows up to
+    block_size, a layer pattern, both sinks, positions), prompts that may share a prefix, a way to
+    fill the cache, its precision and a count of new tokens: (overrides, prompts, kwargs, n)."""
+    block = rng.randint(6, 12)
+    overrides = {"block_size": block, "n_layer": rng.randint(1, 3),
+                 "pos_emb": rng.choice(["rope", "rope", "rope", "learned"])}
+    overrides |= rng.choice([{}, {"n_kv_head": 2}, {"n_kv_head": 1}, ATTENTION["mla"]])
+    overrides["kv_share"] = rng.randint(1, overrides["n_layer"])
+    if rng.random() < 0.8:
+        overrides |= {"attn_window": rng.choice([1, 2, block // 2, block - 1, block]),
+                      "attn_sinks": rng.choice([0, 0, 1, 3]), "attn_sink_logit": rng.random() < 0.3}
+        if rng.random() < 0.4 and overrides["kv_share"] == 1:
+            pattern = rng.choice(["SL", "LS", "SSL"])[:overrides["n_layer"]]
+            overrides["window_pattern"] = pattern if "S" in pattern else "S"
+    prefix = [rng.randrange(37) for _ in range(rng.randint(0, 3))]
+    prompts = [prefix + [rng.randrange(37) for _ in range(rng.randint(1, block // 2))]
+               for _ in range(rng.choice([1, 2, 3, 3]))]
+    kwargs = {"prefill_chunk": rng.choice([None, 1, 3]), "share_prefix": rng.random() < 0.7,
+              "kv_dtype": rng.choice([torch.float32, torch.bfloat16, torch.int8]),
+              "temperature": rng.choice([0, 1.0]), "top_k": rng.choice([None, 10])}
+    return overrides, prompts, kwargs, rng.randint(1, 3 * block)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_models_decode_each_row_as_alone_and_as_the_uncached_reference(seed):
+    """A randomized differential test: each batched cached row (tokens and the logits they were drawn
+    from) equals its prompt decoded alone in a cache of the same precision, and in float32, within
+    what the reference computes the same way (the whole sequence where the design is endless, else
+    block_size), equals the uncached reference."""
+    overrides, prompts, kwargs, n = random_cache_case(random.Random(seed))
+    model = cache_kind_model(overrides)
+    longest = max(len(p) for p in prompts)
+    n = int(min(n, new_tokens_allowed(model.config, longest)))
+    if n == 0:
+        return
+    def generators():
+        return [torch.Generator().manual_seed(r) for r in range(len(prompts))]
+
+    rows, logits = stream_logits(model, prompts, n, **kwargs, generator=generators())
+    for r, prompt in enumerate(prompts):
+        alone, alone_logits = stream_logits(model, [prompt], n, **kwargs | {"share_prefix": True},
+                                            generator=[torch.Generator().manual_seed(r)])
+        assert torch.equal(rows[r], alone[0]), (overrides, prompts, kwargs, r)
+        torch.testing.assert_close(torch.stack([step[r] for step in logits]), torch.cat(alone_logits),
+                                   atol=ROUNDING[kwargs["kv_dtype"]], rtol=0, msg=f"{overrides} {kwargs}")
+    if kwargs["kv_dtype"] != torch.float32:
+        return
+    within = n if model.config.max_positions is None else min(n, model.config.block_size - longest)
+    if within > 0:
+        ref, ref_logits = stream_logits(model, prompts, within, kv_cache=False, generator=generators(),
+                                        temperature=kwargs["temperature"], top_k=kwargs["top_k"])
+        for row, row_ref in zip(rows, ref):
+            assert torch.equal(row[:len(row_ref)], row_ref), (overrides, prompts, kwargs)
+        torch.testing.assert_close(torch.stack(logits[:within]), torch.stack(ref_logits), atol=1e-5, rtol=0)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import GPT
-from model.kv_cache import quantize_rows
+from model.kv_cache import KVCache, quantize_rows
 from tests.helpers import ATTENTION, tiny_config
 
 # What each storage costs against the float32 cache, on the logits of a tiny random model.
@@ -89,3 +89,33 @@ def test_a_window_cache_shorter_than_the_window_is_a_plain_one():
     assert (short.ring, short.max_len) == (False, 6) and (whole.ring, whole.max_len) == (True, 8)
     with pytest.raises(ValueError, match="7 positions exceed the cache size 6"):
         model(torch.zeros(1, 7, dtype=torch.long), kv_cache=short)
+
+
+@pytest.mark.parametrize("window,sinks,max_len,rings", [
+    (24, 2, 24, True),    # window = block: the ring holds the window and the sinks, past max_len
+    (23, 3, 24, True),
+    (8, 2, 7, False),     # max_len below the window: positions never outrun a plain cache
+])
+def test_an_all_window_cache_rings_whenever_its_window_fits_max_len(window, sinks, max_len, rings):
+    """Every layer windowed: the cache takes positions without end whenever max_len reaches the
+    window, its ring then holding sinks + window slots even where that exceeds max_len; with a
+    layer over the whole context, a windowed layer rings only where sinks + window fit (the cache
+    refills at max_len)."""
+    model = GPT(tiny_config(pos_emb="rope", attn_window=window, attn_sinks=sinks))
+    cache = model.new_kv_cache(1, max_len)
+    assert cache.ring == rings and cache.slot_lens == [sinks + window if rings else max_len] * 2
+    mixed = GPT(tiny_config(pos_emb="rope", n_layer=2, attn_window=window, attn_sinks=sinks,
+                            window_pattern="SL")).new_kv_cache(1, max_len)
+    assert not mixed.ring and mixed.max_len == max_len
+    assert mixed.rings == [max_len >= sinks + window, False]
+
+
+@pytest.mark.parametrize("dtype,compute_dtype,message", [
+    (torch.int32, None, "dtype must be one of float32, bfloat16, int8"),
+    (torch.float16, None, "dtype must be one of"),
+    ("int4", None, "dtype must be one of"),
+    (torch.int8, torch.int8, "compute_dtype must be a floating-point dtype"),
+])
+def test_a_cache_built_directly_refuses_a_dtype_it_cannot_hold(dtype, compute_dtype, message):
+    with pytest.raises(ValueError, match=message):
+        KVCache([None], 1, 2, 8, 4, dtype=dtype, compute_dtype=compute_dtype)
