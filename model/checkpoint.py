@@ -1,7 +1,8 @@
 """The checkpoint format, read and written only here: one `torch.save` file of a dict whose keys
 are the fields of `Checkpoint`, written atomically (a temp file, then a rename) and read with
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects; finding one in a run dir;
-and checking its weights against a model.
+and checking its weights against a model. `write_atomically` is also how every other file the
+project writes is written (model/ is the layer every other imports, bar data/).
 """
 
 import dataclasses
@@ -9,6 +10,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -85,33 +87,43 @@ def save(path, ckpt: Checkpoint, also=()) -> Path:
 
 def write(path, ckpt: Checkpoint) -> Path:
     """One checkpoint file, written atomically (see save)."""
-    path = Path(path)
     state = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt)}
     state["model_config"] = dataclasses.asdict(ckpt.model_config)
     state["model"] = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
+    return write_atomically(path, partial(torch_save, state), "checkpoint")
+
+
+def torch_save(state: dict, file) -> None:
+    writer = ErrorKeepingWriter(file)
+    try:
+        torch.save(state, writer)
+    except RuntimeError as e:  # torch reports a failed write as "unexpected pos ..."
+        if writer.error is None:
+            raise
+        raise writer.error from e
+
+
+def write_atomically(path, write, what: str = "file") -> Path:
+    """The one way the project writes a file (checkpoints, pages, plots, reports): complete or not at
+    all. `write(file)` fills a temp file in path's folder (open for binary writing), which is
+    fsync-ed and renamed over path. On any failure (a full disk, a file-size limit, path a folder)
+    the temp file goes and the file at path stays as it was; a write the disk refused is an OSError
+    `cannot write <what> <path>: <why>`, which says whether an earlier file is kept."""
+    path, tmp = Path(path), None
     kept = "; the previous one is intact" if path.is_file() else ""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except OSError as e:
-        raise type(e)(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
-    try:
         with os.fdopen(fd, "wb") as f:
-            writer = ErrorKeepingWriter(f)
-            try:
-                torch.save(state, writer)
-            except RuntimeError as e:  # torch reports a failed write as "unexpected pos ..."
-                if writer.error is None:
-                    raise
-                raise writer.error from e
+            write(f)
             f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+            os.fsync(f.fileno())  # on disk before the rename makes it the file
         os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would give
         os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        raise type(e)(f"cannot write checkpoint {path}: {e.strerror or e}{kept}") from e
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise type(e)(f"cannot write {what} {path}: {e.strerror or e}{kept}") from e
         raise
     return path
 

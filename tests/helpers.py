@@ -1,11 +1,12 @@
 """Builders the tests share: the one tiny model config, the attention variants, the real Hydra
 config, the ways to run a command line (a real process, awaited now or later, or in this one),
-and the metrics of a run dir."""
+the metrics of a run dir, and a disk that fills up."""
 
 import contextlib
 import io
 import logging
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -273,6 +274,23 @@ def release_run_dirs(before: dict) -> None:
     held = held_run_dirs()
     for run_dir in [d for d in held if d not in before]:
         os.close(held.pop(run_dir))
+
+
+@contextlib.contextmanager
+def disk_full_after(n_bytes: int):
+    """In this process, writes past n_bytes of a file fail (EFBIG), as on a full disk: RLIMIT_FSIZE,
+    which Python's ignored SIGXFSZ turns into an OSError instead of killing the process."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def temp_files(folder) -> list[str]:
+    """The names in `folder` that a write in progress uses (write_atomically's `.<name>.*`)."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.name.startswith("."))
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, message: str) -> None:

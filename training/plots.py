@@ -1,10 +1,12 @@
-"""Figures: matplotlib set up to draw to files, and a run's loss curves (its loss.png). matplotlib is
-imported only when a figure is drawn, or ahead of one in the background (`import_in_background`)."""
+"""Figures: matplotlib set up to draw to files, each written complete or not at all, and a run's
+loss curves (its loss.png). matplotlib is imported only when a figure is drawn, or ahead of one in
+the background (`import_in_background`)."""
 
 import logging
 import threading
 from pathlib import Path
 
+from model.checkpoint import write_atomically
 from training.run_dir import read_metrics
 
 
@@ -26,11 +28,21 @@ def import_in_background() -> None:
 
 
 def save_figure(fig, path, grid_axis: str = "both") -> None:
-    """Finish a one-axes figure (a light grid), write it as a PNG and free it."""
+    """Finish a one-axes figure (a light grid), write it and free it (write_figure)."""
     fig.axes[0].grid(alpha=0.3, axis=grid_axis)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    pyplot().close(fig)
+    write_figure(fig, path)
+
+
+def write_figure(fig, path) -> None:
+    """Write a figure in the format its file name says (PNG without one), atomically: an earlier
+    file at path stays if the write fails; then free it."""
+    path = Path(path).expanduser()
+    image_format = path.suffix[1:].lower() or "png"  # what savefig(path) would infer from the name
+    try:
+        write_atomically(path, lambda f: fig.savefig(f, format=image_format, dpi=100), "plot")
+    finally:
+        pyplot().close(fig)
 
 
 def plot_losses(run_dir: Path, png_path: Path) -> None:

@@ -1,8 +1,11 @@
 """The run directory: one training run's folder, what it holds and who writes to it.
 
 claim_run_dir makes a folder one process's to train in (a flock-ed .lock file; a folder that
-holds a run is refused), MetricsLog writes metrics.jsonl, wandb and the terminal, and
-stop_requests turns Ctrl-C and SIGTERM into a clean stop. read_metrics reads a run's metrics back.
+holds a run is refused), MetricsLog writes metrics.jsonl (a line at a time, each whole or not at
+all: append_line), wandb and the terminal, and stop_requests turns Ctrl-C and SIGTERM into a clean
+stop. read_metrics reads a run's metrics back. A file of the run dir that cannot be written (a
+full disk) is the run dir's error, `run_dir: cannot write ...` (run_dir_write), which the command
+line names as its option.
 """
 
 import json
@@ -10,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import torch
@@ -125,6 +128,39 @@ def unlink_temp_files(run_dir: Path) -> list[Path]:
     return temps
 
 
+@contextmanager
+def run_dir_write():
+    """A file of the run dir that cannot be written (OSError: a full disk) is the run dir's error."""
+    try:
+        yield
+    except OSError as e:
+        raise type(e)(f"run_dir: {e}") from e
+
+
+def append_line(path: Path, line: str, sync: bool = False) -> None:
+    """Append `line` and a newline to a log (one process writes it), whole or not at all: a write
+    the disk refuses part-way is cut back off, so the lines before it stay as they were and no line
+    is torn. Appended, not rewritten as write_atomically would: a long run's log would be copied at
+    every record. `sync`: on disk before this returns."""
+    data, fd, size = memoryview((line + "\n").encode()), None, None
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        size = os.fstat(fd).st_size
+        while data:
+            data = data[os.write(fd, data):]
+        if sync:
+            os.fsync(fd)
+    except OSError as e:
+        if size is not None:
+            with suppress(OSError):
+                os.ftruncate(fd, size)
+        kept = "; its earlier lines are intact" if size else ""
+        raise type(e)(f"cannot write {path}: {e.strerror or e}{kept}") from e
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def read_metrics(run_dir) -> list[dict]:
     """The records of a run's metrics.jsonl, each checked: a JSON object with an integer step."""
     path, records = Path(run_dir) / METRICS_FILE, []
@@ -170,11 +206,8 @@ class MetricsLog:
     def record(self, entry: dict) -> None:
         entry["elapsed_s"] = time.perf_counter() - self.start
         if self.master:
-            try:
-                with self.path.open("a") as f:
-                    f.write(json.dumps(entry) + "\n")
-            except OSError as e:
-                raise type(e)(f"cannot write {self.path}: {e.strerror or e}") from e
+            with run_dir_write():
+                append_line(self.path, json.dumps(entry))
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 
@@ -195,7 +228,8 @@ class MetricsLog:
 
 
 class StopRequests(list):
-    """The signals a run received (SIGINT, SIGTERM), which the loop checks after each step."""
+    """The signals a run received (SIGINT, SIGTERM), which the loop checks after each step, and an
+    evaluation, the whole split's loss and the sample after each batch or token."""
 
     def on_any_rank(self, device, step: int = 0, every: int = 1) -> bool:
         """Whether this process got one; under torchrun, whether any process did, asked when `step` is
@@ -223,8 +257,8 @@ def stop_requests():
             raise KeyboardInterrupt
         received.append(signum)
         if int(os.environ.get("RANK", 0)) == 0:  # os.write: print() may be mid-write, not reentrant
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step to save (again: "
-                        f"stop now, unsaved)\n".encode())
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step or batch, to save "
+                        f"(again: stop now, unsaved)\n".encode())
 
     signals = [signal.SIGTERM] + [signal.SIGINT] * (signal.getsignal(signal.SIGINT) is not signal.SIG_IGN)
     previous = {sig: signal.signal(sig, request) for sig in signals}  # an ignored SIGINT stays ignored

@@ -2,7 +2,8 @@
 tensors to host memory at once (a moment: the training cannot change the copy) and a thread
 writes it to disk with `model.checkpoint.save` (atomic, fsync-ed: 0.5 s or more for the GPU
 recipe's 128 MB, measured as 2-6 s of a 28 s run when each write held the loop up) while the next
-steps run. One write at a time; a write that failed raises its error at the next save or `wait`.
+steps run. One write at a time; a write that failed raises its error (the run dir's: `run_dir:
+cannot write checkpoint ...`) at the next save or `wait`.
 """
 
 import dataclasses
@@ -11,6 +12,7 @@ import threading
 import torch
 
 from model import checkpoint
+from training.run_dir import run_dir_write
 
 
 def host_copy(obj):
@@ -43,7 +45,8 @@ class BackgroundSaver:
 
     def write(self, path, ckpt: checkpoint.Checkpoint, also) -> None:
         try:
-            checkpoint.save(path, ckpt, also=also)
+            with run_dir_write():
+                checkpoint.save(path, ckpt, also=also)
         except BaseException as e:  # raised in the training's thread, by wait
             self.error = e
 

@@ -1,6 +1,7 @@
 """cli/page.py and its template: the inspect page, opened from disk in a real headless Chromium for
 every attention option, with and without a cache; its views follow the slider, the arrow keys and
-the layer and head chosen, as the recorded data says."""
+the layer and head chosen, as the recorded data says; and a page the disk refuses, which leaves
+the earlier one."""
 
 import json
 import os
@@ -15,7 +16,17 @@ import torch
 from cli.page import write_inspect_page
 from data.tokenizer import BPETokenizer
 from model.generation import DecodeRecorder, Sampling, stream
-from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, run_in_process, tiny_model
+from tests.helpers import (
+    ATTENTION,
+    BOUNDED,
+    ENDLESS,
+    assert_one_line_error,
+    cache_kind_model,
+    disk_full_after,
+    run_in_process,
+    temp_files,
+    tiny_model,
+)
 
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
 needs_chromium = pytest.mark.skipif(
@@ -204,3 +215,16 @@ def test_a_bpe_page_with_cut_characters_and_the_cli(browser, tiny_ckpt, tmp_path
         browser.open(path)
         assert browser.errors == []
     check_views(browser, json.loads(browser.run("JSON.stringify(data)")), 0, 0, 0)
+
+
+def test_a_page_the_disk_refuses_names_inspect_and_keeps_the_earlier_page(tiny_ckpt, tmp_path):
+    """generate.py inspect=<file> where writes fail part-way through the page (past 8 kB; the template
+    alone is 11 kB): one line naming the option and the file, the earlier page as it was, no temp file."""
+    page, earlier = tmp_path / "page.html", b"<html>the earlier page</html>"
+    page.write_bytes(earlier)
+    with disk_full_after(8192):
+        result = run_in_process("generate.py", f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=4",
+                                f"inspect={page}")
+    assert_one_line_error(result, f"error: inspect: cannot write inspect page {page}: File too large; the "
+                                  f"previous one is intact")
+    assert page.read_bytes() == earlier and temp_files(tmp_path) == []

@@ -5,8 +5,6 @@ precision, init_from, and every field checked when read."""
 import argparse
 import dataclasses
 import os
-import resource
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from model.checkpoint import Checkpoint, latest_run
 from model.device import Precision
 from model.generation import load_model
 from model.quantize import Int8Linear
-from tests.helpers import assert_one_line_error, run_in_process, tiny_config, tiny_model
+from tests.helpers import assert_one_line_error, disk_full_after, run_in_process, tiny_config, tiny_model
 
 
 def write(path, model: GPT, **fields) -> None:
@@ -98,18 +96,6 @@ def test_failed_save_leaves_the_old_file_and_no_temp_file(tmp_path):
         write(tmp_path / "folder.pt", tiny_model())  # cannot replace a folder
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "folder.pt"]
     assert checkpoint.load(tmp_path / "ckpt.pt").step == 1
-
-
-@contextmanager
-def disk_full_after(n_bytes: int):
-    """Writes past n_bytes fail (EFBIG), as on a full disk: RLIMIT_FSIZE, which Python's ignored
-    SIGXFSZ turns into an OSError instead of killing the process."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (n_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
 
 def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_temp_file(tmp_path):

@@ -1,5 +1,6 @@
 """training/run_dir.py and training/rng.py: a run dir claimed once and never over a run, stale temp
-files, the metrics file read back, and the RNG state each process restores."""
+files, the metrics file written a whole line at a time and read back, and the RNG state each
+process restores."""
 
 import random
 import subprocess
@@ -11,10 +12,11 @@ import torch
 
 from model import GPT, checkpoint
 from model.checkpoint import Checkpoint
-from tests.helpers import ROOT, tiny_model
+from tests.helpers import ROOT, disk_full_after, tiny_model
 from training.rng import restore_rng, rng_state, rng_states_of_ranks, seed_rngs
 from training.run_dir import (
     RUN_MARKERS,
+    MetricsLog,
     claim_run_dir,
     read_metrics,
     release_run_dir,
@@ -105,3 +107,16 @@ def test_a_damaged_metrics_file_names_its_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"loss": 1.0}\n')
     with pytest.raises(ValueError, match="line 2: not a metrics record"):
         read_metrics(tmp_path)
+
+
+def test_a_metrics_line_the_disk_refuses_part_way_is_cut_off_and_the_earlier_lines_stay(tmp_path):
+    """The disk fills up 10 bytes into a record's line: the part written goes, the lines before it
+    stay byte for byte, and the error is the run dir's (the command line names it hydra.run.dir)."""
+    log = MetricsLog(tmp_path, {"wandb": {"mode": "disabled", "project": "p", "name": None}}, True, 0, 9)
+    log.record({"step": 1, "loss": 2.0})
+    earlier = (tmp_path / "metrics.jsonl").read_bytes()
+    message = r"^run_dir: cannot write .*/metrics\.jsonl: File too large; its earlier lines are intact$"
+    with disk_full_after(len(earlier) + 10), pytest.raises(OSError, match=message):
+        log.record({"step": 2, "loss": 1.5, "lr": 0.001})
+    log.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == earlier and len(read_metrics(tmp_path)) == 1

@@ -47,7 +47,7 @@ def test_a_failed_write_raises_at_the_next_save_and_then_is_gone(tmp_path):
     model = tiny_model()
     saver = BackgroundSaver()
     saver.save(tmp_path / "missing" / "ckpt.pt", state_of(model))  # returns: the thread fails
-    with pytest.raises(OSError, match=r"^cannot write checkpoint .*missing/ckpt\.pt"):
+    with pytest.raises(OSError, match=r"^run_dir: cannot write checkpoint .*missing/ckpt\.pt"):
         saver.save(tmp_path / "ckpt.pt", state_of(model))
     saver.wait()  # raised once; the save after it was not started
     assert not (tmp_path / "ckpt.pt").exists()
