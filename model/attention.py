@@ -137,16 +137,27 @@ def compiled_attend_one_query():
     return torch.compile(attend_one_query, dynamic=True)
 
 
-COMPILE_FROM = 2**18  # int8 numbers read a step from which the compiled kernel pays for compiling
+COMPILE_FROM = 2**18  # int8 numbers a cache's slot holds from which the compiled kernel pays for compiling
 
 
 def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
-    """attend_one_query, compiled: traced into the caller's graph, or through its own kernel; run
-    as written over a cache too small for compiling (seconds) to pay off, and while a CUDA graph
-    captures it (dynamo's guards and code are no part of a graph)."""
-    as_written = k.values.numel() < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
-    step = attend_one_query if torch.compiler.is_compiling() or as_written else compiled_attend_one_query()
-    return step(q, k, v, attn_mask, sink_logit, scale)
+    """attend_one_query, compiled or not as one_query_kernel says."""
+    return one_query_kernel(q, k)(q, k, v, attn_mask, sink_logit, scale)
+
+
+def one_query_kernel(q, k: Quantized):
+    """attend_one_query as an int8 step runs it: traced into the caller's graph, or through its own
+    compiled kernel. As written while a CUDA graph captures it (dynamo's guards and code are no part
+    of a graph), and over a cache too small for compiling (seconds) to pay off. Small by the whole
+    slot the keys are read from (all its rows and positions: its storage), not by the part read this
+    step, which grows every step: a cache keeps one kernel from its first step to its last, so a
+    stream never stops mid-sample to compile (the first step over a large cache compiles, or loads
+    the compiled code)."""
+    if torch.compiler.is_compiling():
+        return attend_one_query
+    slot_numbers = k.values.untyped_storage().nbytes() // k.values.element_size()
+    as_written = slot_numbers < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    return attend_one_query if as_written else compiled_attend_one_query()
 
 
 def check_attend_args(q, k, v, backend, return_weights) -> None:

@@ -81,6 +81,11 @@ class GPTConfig:
                                  f"attention: set mla_latent_dim too (or attention=mla)")
             return
         check_int(self, "mla_latent_dim", 1)
+        for name in ("mla_latent_dim", "mla_rope_dim"):  # (allocated per layer: n_embd x width, and more)
+            if getattr(self, name) > 8 * self.n_embd:
+                raise ValueError(f"GPTConfig.{name} must be at most 8 x n_embd = {8 * self.n_embd} (the "
+                                 f"latent and RoPE key stand for the keys and values of every head, 2 x "
+                                 f"n_embd wide in MHA), got {getattr(self, name)}")
         if self.n_kv_head != self.n_head:
             raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} does not apply to multi-head latent "
                              f"attention (mla_latent_dim={self.mla_latent_dim}): every head has its own "
@@ -104,6 +109,10 @@ class GPTConfig:
                                      f"set attn_window too")
             return
         check_int(self, "attn_window", 1)
+        if self.attn_sinks > self.block_size:  # (a cache holds them beside the window)
+            raise ValueError(f"GPTConfig.attn_sinks={self.attn_sinks} must be <= block_size="
+                             f"{self.block_size}: the first positions every windowed layer keeps seeing, "
+                             f"among those it trains on")
         if self.attn_window > self.block_size:
             raise ValueError(f"GPTConfig.attn_window={self.attn_window} must be <= block_size="
                              f"{self.block_size} (null: attend over the whole block)")

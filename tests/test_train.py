@@ -2,6 +2,7 @@
 and signal handling, wandb, DDP with gloo, sweeps."""
 
 import io
+import itertools
 import json
 import re
 import resource
@@ -351,6 +352,33 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
                                  f"asks for 2")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, overrides, started", [
+    # 10,000 batches a split (~50 s here); the first evaluation starts once the model is built
+    ("evaluation", ["train.eval_iters=10000", "train.batch_size=32"], "model: "),
+    # 10,000 tokens of an 8-layer model (~25 s here), after the last evaluation
+    ("sample", ["train.max_iters=1", "train.sample_tokens=10000", "model.n_layer=8", "model.n_embd=128"],
+     "step 1: train loss"),
+])
+def test_a_sigterm_in_any_phase_ends_the_run_within_seconds(tiny_run, tmp_path, phase, overrides, started):
+    """Not only between steps: a SIGTERM during an evaluation ends it within a batch, records nothing
+    of it and saves ckpt.pt to resume from; one during the sample at the end ends the sample there,
+    the run complete. Either way exit code 143, seconds after the signal."""
+    proc = start_cli("train.py", *tiny_run, *overrides, f"hydra.run.dir={tmp_path}")
+    seen = list(itertools.takewhile(lambda line: not line.startswith(started), proc.stdout))
+    time.sleep(0.5)  # inside the phase
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, "".join(seen) + out + err[-2000:]
+    assert time.monotonic() - signalled < 10
+    if phase == "evaluation":
+        assert "SIGTERM: saved" in out and checkpoint.load(tmp_path).step == 0
+        assert not (tmp_path / "metrics.jsonl").exists()  # its losses, partial, are nobody's
+    else:
+        assert "\n--- stopped by SIGTERM ---\n" in out and "best val loss" in out
+
+
 @pytest.mark.parametrize("script, after_s", [("train.py", 0.5), ("train.py", 2.5), ("generate.py", 1.5)])
 def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_s):
     """Ctrl-C while the imports load, Hydra composes or the data is read: exit 130, no traceback."""
@@ -395,7 +423,8 @@ def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
     """`python train.py` where writes past 60 kB fail (small_disk): the first checkpoint (~130 kB)
     cannot be written."""
     proc, run_dir = early_run
-    assert_one_line_error(finish(proc), f"cannot write checkpoint {run_dir}/ckpt.pt: File too large")
+    assert_one_line_error(finish(proc), f"error: hydra.run.dir: cannot write checkpoint {run_dir}/ckpt.pt: "
+                                        f"File too large")
     assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 

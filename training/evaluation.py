@@ -13,11 +13,14 @@ from training.distributed import mean_over_ranks
 
 
 @torch.no_grad()
-def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice = slice(None)) -> dict:
+def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice = slice(None),
+                  stop=()) -> dict:
     """Mean loss over `iters` batches per split (Batches objects), the same batches at every
     evaluation: cheap, and noisy by about +-0.01 at 20 batches of 12 x 64 tokens. Under torchrun
     each process takes its `rows` of every batch, and the means are averaged over the processes.
-    The losses stay on the device until the end: one synchronisation per split."""
+    The losses stay on the device until the end: one synchronisation per split. `stop` (a list a
+    signal handler appends to) ends the batches at the first signal, within one batch, not `iters`
+    later: the losses are then partial, for no one to record. The batches' RNG is left as it was."""
     model.eval()
     out = {}
     for name, batches in splits.items():
@@ -25,6 +28,8 @@ def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice =
         batches.generator.manual_seed(seed)
         total = torch.zeros((), device=batches.device)
         for _ in range(iters):
+            if stop:
+                break
             x, y = batches.next()
             with amp:
                 total += model(x[rows], y[rows])[1].float()
@@ -35,13 +40,16 @@ def estimate_loss(model, splits: dict, iters: int, seed: int, amp, rows: slice =
 
 
 @torch.no_grad()
-def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 16, kv_dtype=None) -> float:
+def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 16, kv_dtype=None,
+               stop=()) -> float:
     """Mean cross-entropy of predicting every token of `tokens` (1-D) from the ones before it in
     its window: the split is cut into consecutive windows of block_size (the last one shorter),
     so each of its len - 1 targets is predicted exactly once, with 0 .. block_size - 1 tokens of
     context. The honest number to compare runs by. With `kv_dtype`, each window goes through a KV
     cache that stores in it (torch.int8, ...): teacher-forced, every position attends to the keys
-    and values as that cache holds them, which is what decoding through it computes."""
+    and values as that cache holds them, which is what decoding through it computes. `stop` (a
+    list a signal handler appends to) ends it at the first signal, within one batch of windows:
+    the loss is then partial, for no one to record."""
     if tokens.dim() != 1 or len(tokens) < 2 or tokens.is_floating_point():
         raise ValueError(f"tokens must be a 1-D split of 2 token ids or more, got {tokens.dtype} "
                          f"{tuple(tokens.shape)}")
@@ -54,6 +62,8 @@ def split_loss(model, tokens: torch.Tensor, amp=None, windows_per_batch: int = 1
     model.eval()
     total = 0.0
     for i in range(0, len(x), windows_per_batch):
+        if stop:
+            break
         xb, yb = x[i:i + windows_per_batch].to(device), y[i:i + windows_per_batch].to(device)
         with amp or nullcontext():
             cache = None if kv_dtype is None else model.new_kv_cache(len(xb), dtype=kv_dtype)

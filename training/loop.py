@@ -31,6 +31,7 @@ from training.run_dir import (
     claim_run_dir,
     release_run_dir,
     remove_stale_temp_files,
+    run_dir_write,
     stop_requests,
 )
 from training.saver import BackgroundSaver
@@ -38,6 +39,11 @@ from training.step import TrainStep, portable_state
 from training.throughput import Throughput, autocast
 
 # ----------------------------------------------------------------------------- model and optimizer
+
+# Under torchrun, steps between the checks for a signal (each an all-reduce and a device sync): at
+# most log_interval's, so that a run logging rarely still stops within seconds.
+STOP_CHECK_STEPS = 10
+
 
 @dataclass
 class TrainingState:
@@ -167,7 +173,8 @@ def train(run: RunConfig, run_dir) -> dict:
             with stop_requests() as stop:
                 while True:
                     if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
-                        evaluate(state, eval_batches, amp, rows, log)
+                        if not evaluate(state, eval_batches, amp, rows, log, stop):
+                            break  # a signal during the evaluation: every rank stops here
                         speed.restart()  # throughput counts training only
                     if state.step == cfg.max_iters:
                         break
@@ -181,20 +188,25 @@ def train(run: RunConfig, run_dir) -> dict:
                             raise state.diverged("loss", loss_value)
                         log.training_step(state.step, loss_value, lr, *speed.read())
                     log.bar.update(1)
-                    if stop.on_any_rank(device, state.step, cfg.log_interval):
+                    if stop.on_any_rank(device, state.step, min(cfg.log_interval, STOP_CHECK_STEPS)):
                         break
-            return finish(state, log, amp, stop)
+                # inside: a signal during the whole split's loss or the sample stops them cleanly too, not
+                # the process, which would kill the last checkpoint's write (in the background till then)
+                return finish(state, log, amp, stop)
     finally:
         release_run_dir(run_dir)
 
 
 # ----------------------------------------------------------------------------- evaluate and save
 
-def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: MetricsLog) -> None:
-    """Evaluate on the fixed batches (each rank its rows); save best.pt if val improved, and ckpt.pt."""
+def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: MetricsLog, stop) -> bool:
+    """Evaluate on the fixed batches (each rank its rows); save best.pt if val improved, and ckpt.pt.
+    False, with nothing recorded or saved, when a signal stopped it (on any rank: every rank agrees)."""
     cfg = state.run.train
     with eager(state):
-        losses = estimate_loss(state.model, eval_batches, cfg.eval_iters, cfg.seed, amp, rows)
+        losses = estimate_loss(state.model, eval_batches, cfg.eval_iters, cfg.seed, amp, rows, stop)
+    if stop.on_any_rank(state.device):
+        return False
     log.record({"step": state.step, "train_loss": losses["train"], "val_loss": losses["val"]})
     print0(f"step {state.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
     if not math.isfinite(losses["val"]):
@@ -204,20 +216,16 @@ def evaluate(state: TrainingState, eval_batches: dict, amp, rows: slice, log: Me
         state.best_val = min(state.best_val, losses["val"])
         # best.pt, when val improved, is the file ckpt.pt is now: one write, in the background
         state.last_saved = state.save("ckpt.pt", also=["best.pt"] if improved else [])
+    return True
 
 
 def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
-    """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt."""
+    """The whole val split's loss, the loss plot and a sample; or, after a signal, ckpt.pt. A signal
+    during the sample ends it there, the run complete and saved: the result says it (`interrupted`)."""
     cfg, run_dir, full_val = state.run.train, state.run_dir, None
     stop.on_any_rank(state.device)  # a signal since the loop's last check: every rank agrees
-    if state.rank == 0 and not stop and cfg.full_val:
-        _, _, val_tokens = load_prepared(state.run.data_dir)  # batch_size windows at once, as training
-        with eager(state):
-            full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp,
-                                  cfg.batch_size)
-        log.record({"step": state.step, "val_loss_full": full_val})
-        print0(f"step {state.step}: val loss {full_val:.4f} over the whole val split "
-               f"({len(val_tokens):,} tokens)")
+    if not stop and cfg.full_val:
+        full_val = whole_val_loss(state, log, amp, stop)
     log.close()
     if stop:
         path = state.save("ckpt.pt", stopping=True)
@@ -226,15 +234,35 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
                f"python train.py train.resume={run_dir}")
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
     if state.rank == 0:
-        plot_losses(run_dir, run_dir / "loss.png")
+        with run_dir_write():
+            plot_losses(run_dir, run_dir / "loss.png")
         if cfg.sample_tokens > 0:
             tok = tokenizer_from_meta(state.run.meta)
             with eager(state):
-                ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size)
-            print0(f"--- sample ---{tok.decode(ids)}\n--- end of sample ---")
+                ids = sample_ids(state.model, start_ids(tok), cfg.sample_tokens, cfg.seed, tok.vocab_size,
+                                 stop)  # a signal ends the sample: the run is complete and saved
+            ended = f"stopped by {signal.Signals(stop[0]).name}" if stop else "end of sample"
+            print0(f"--- sample ---{tok.decode(ids)}\n--- {ended} ---")
     state.saver.wait()  # the last checkpoint on disk: the path printed is a complete file
     best = run_dir / "best.pt" if (run_dir / "best.pt").is_file() else state.last_saved  # resumed, not beaten
     note = " (from before the resume)" if best and best.name != "best.pt" else ""
     print0(f"best val loss {state.best_val:.4f}{note}; checkpoint: {best or 'none (checkpoints=false)'}")
     return {"step": state.step, "best_val": state.best_val, "val_loss_full": full_val, "checkpoint": best,
-            "run_dir": run_dir}
+            "run_dir": run_dir} | ({"interrupted": stop[0]} if stop else {})
+
+
+def whole_val_loss(state: TrainingState, log: MetricsLog, amp, stop) -> float | None:
+    """Rank 0 records the loss over every token of the val split, batch_size windows at once (as
+    training) and returns it; None on the other ranks, or when a signal stopped it (on any rank:
+    then every rank has one, and saves)."""
+    full_val = None
+    if state.rank == 0:
+        _, _, val_tokens = load_prepared(state.run.data_dir)
+        with eager(state):
+            full_val = split_loss(state.model, torch.from_numpy(val_tokens.astype("int64")), amp,
+                                  state.run.train.batch_size, stop=stop)
+        if not stop:
+            log.record({"step": state.step, "val_loss_full": full_val})
+            print0(f"step {state.step}: val loss {full_val:.4f} over the whole val split "
+                   f"({len(val_tokens):,} tokens)")
+    return None if stop.on_any_rank(state.device) else full_val

@@ -2,6 +2,7 @@
 made), and `RunConfig`, every option of a run checked (cli.options.check_options makes it) and all
 that `training.loop.train` reads; and whether a model and a batch fit in a device's memory."""
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,16 @@ from model.checkpoint import Checkpoint
 from model.config import check_integer_fields
 from model.device import check_device, memory_bytes
 from training.optimizer import OPTIMIZERS
+
+# The counts that cost time or memory, each at most what a user could mean: past it, a run would
+# not end (nor stop for a signal, within a step) in any time one waits for. The message says why.
+MAX_COUNTS = {
+    "grad_accum": (1024, "micro-steps in each optimizer step, whose batches are drawn at once and which a "
+                         "signal does not stop: for a larger batch raise train.batch_size too"),
+    "eval_iters": (10_000, "batches per split at every evaluation; the loss over the whole val split is "
+                           "train.full_val's"),
+    "sample_tokens": (10_000, "the sample printed at the end; python generate.py streams longer ones"),
+}
 
 
 @dataclass
@@ -61,6 +72,9 @@ class TrainConfig:
             for name in names.split():
                 if not holds(getattr(self, name)):
                     raise ValueError(f"train.{name} must be {rule}, got {getattr(self, name)!r}")
+        for name, (most, why) in MAX_COUNTS.items():
+            if (value := getattr(self, name)) > most:
+                raise ValueError(f"train.{name} must be at most {most:,} ({why}), got {value:,}")
         if self.min_lr > self.lr:
             raise ValueError(f"train.min_lr={self.min_lr} must not exceed train.lr={self.lr}")
         if self.optimizer not in OPTIMIZERS:
@@ -89,17 +103,51 @@ class RunConfig:
         return self.train.batch_size * world_size * self.train.grad_accum * self.model.block_size
 
 
-def check_fits(model: GPTConfig, batch_size: int, device: torch.device) -> None:
-    """The model and a batch fit in the device's memory by a lower bound of what training takes:
-    16 bytes a parameter (float32 weights, gradients and AdamW's two moments; the parameters counted
-    from the config, at least 10 n_embd^2 a layer), and 4 bytes a number of a batch's logits and of
-    one residual stream a layer. A run past it could only fail, or be killed, once it has started."""
+def check_fits(model: GPTConfig, batch_size: int, device: torch.device, dtype: str = "auto") -> None:
+    """The model and a batch of batch_size sequences fit in the device's memory by what one training
+    step holds at its peak (training_step_bytes), under train.dtype `dtype`. A run past it could only
+    fail, or be killed by the OOM killer without a word, once it has started."""
     c = model
+    bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")  # (training's autocast)
+    state, batch = training_step_bytes(c, batch_size, 2 if bf16 else 4)
+    if (need := state + batch) > (have := memory_bytes(device)):
+        raise ValueError(f"training this model takes about {need / 2**30:,.1f} GiB a step "
+                         f"({state / 2**30:,.1f} GiB for its {state // 16:,} parameters' weights, gradients "
+                         f"and AdamW state, {batch / 2**30:,.1f} GiB for the activations of a batch of "
+                         f"{batch_size} x {c.block_size} tokens), more than the {have / 2**30:,.1f} GiB of "
+                         f"{device}: lower train.batch_size or the model's size (model.n_layer, n_embd, "
+                         f"block_size, vocab_size)")
+
+
+def training_step_bytes(c: GPTConfig, batch_size: int, activation_bytes: int = 4) -> tuple[int, int]:
+    """(bytes of the parameters' state, bytes of a batch's activations) at the peak of a training step
+    (its backward pass), counted from the config. 16 bytes a parameter: float32 weights, gradients
+    and AdamW's two moments. Per token, the numbers autograd keeps for the backward pass, of
+    `activation_bytes` each (4 in float32; 2 under bf16 autocast, which keeps some in float32, so
+    there a lower bound): in every layer 8 n_embd (the norms' inputs and outputs, attention's output,
+    the projection's input) + 2 kv_width (K, V) + the MLP's hidden units, GELU's twice, SwiGLU's three
+    times; + n_embd + kv_width to rotate q and k (RoPE), + 2 n_embd for RMSNorm, + 3 (n_embd +
+    kv_width) for qk_norm; + n_head x block_size / 2 where attention's weights are made (the naive
+    backend, dropout; SDPA's fused kernels make none) and 3 n_embd of dropout masks. Then 6 n_embd of
+    the embeddings and the last norm, and 4 vocab_size in float32: the logits, their log-softmax and
+    both gradients, which dominate a small model with a large vocabulary.
+
+    Calibrated on a CPU step's peak RSS less the memory before it (float32, eager, 4 layers x 128
+    wide, 2,048 to 65,536 tokens a batch): 95-106% of it for the plain model at any batch, block and
+    vocabulary size, with MQA, shared K/V, windows, qk_norm; 75-95% with RoPE, RMSNorm and SwiGLU
+    together or apart (their intermediate tensors overlap unevenly); 50-75% for dropout, MLA's
+    expanded keys and values, the naive backend and sink logits."""
+    C, L = c.n_embd, c.n_layer
     positions = c.block_size * (c.pos_emb == "learned")
-    params = (c.vocab_size + positions) * c.n_embd + 10 * c.n_layer * c.n_embd**2
-    batch = 4 * batch_size * c.block_size * (c.vocab_size + c.n_layer * c.n_embd)
-    if (need := 16 * params + batch) > (have := memory_bytes(device)):
-        raise ValueError(f"training this model takes at least {need / 2**30:,.1f} GiB ({params:,} "
-                         f"parameters, batches of {batch_size} x {c.block_size} tokens), more than the "
-                         f"{have / 2**30:,.1f} GiB of {device}: lower train.batch_size or the model's size "
-                         f"(model.n_layer, n_embd, block_size, vocab_size)")
+    params = (c.vocab_size * (1 + (not c.tie_embeddings)) + positions) * C + L * (10 * C**2)  # (at least)
+    if c.mla_latent_dim is None:  # K and V of the layers that make them (kv_share), averaged
+        kv_width = c.n_kv_head * c.head_dim * c.kv_layers / L
+    else:  # the plain form expands MLA's latent into K and V per head
+        kv_width = C
+    hidden = 8 * math.ceil(C / 3) * 3 if c.mlp == "swiglu" else 4 * C * 2  # (MLP's own sizes)
+    per_layer = 8 * C + 2 * kv_width + hidden + 3 * (C + kv_width) * c.qk_norm
+    per_layer += (C + kv_width) * (c.pos_emb == "rope") + 2 * C * (c.norm == "rmsnorm")
+    if c.attn_backend == "naive" or c.dropout > 0:
+        per_layer += c.n_head * c.block_size / 2 + 3 * C * (c.dropout > 0)
+    per_token = activation_bytes * (L * per_layer + 6 * C) + 4 * 4 * c.vocab_size
+    return 16 * params, int(batch_size * c.block_size * per_token)

@@ -1,13 +1,20 @@
 """model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
 equal MHA on repeated K/V, the textbook formula, values wider or narrower than keys, an explicit
-scale)."""
+scale), and the kernel an int8 cache's one-query step runs."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import attend
-from model.attention import causal_mask
+from model.attention import (
+    COMPILE_FROM,
+    attend_one_query,
+    causal_mask,
+    compiled_attend_one_query,
+    one_query_kernel,
+)
+from model.kv_cache import KVCache, Quantized
 from tests.helpers import VARIANTS
 
 
@@ -162,3 +169,19 @@ def test_a_learned_sink_logit_is_a_key_of_zero_value_in_every_softmax(backend):
     none = torch.full((4,), -1e4)
     torch.testing.assert_close(attend(q, k, v, sink_logit=none, backend=backend), attend(q, k, v), atol=1e-6,
                                rtol=0)
+
+
+def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
+    """An int8 cache's one-query step runs compiled from 2**18 numbers a slot, judged by the whole slot
+    (its rows and positions), not by the part a step reads: a stream reading past 2**18 numbers never
+    stops mid-sample to compile (31 s for one step, against 0.4 s); a smaller cache never compiles.
+    (Which kernel, not its run: compiling takes seconds, test_quantize runs inductor's code.)"""
+    q = torch.zeros(2, 4, 1, 32)                                          # (B, n_head, 1, head_dim)
+    per_position = 2 * 2 * 32                                             # 2 rows x 2 K/V heads x 32
+    for positions, kernel in ((COMPILE_FROM // per_position - 1, attend_one_query),
+                              (COMPILE_FROM // per_position, compiled_attend_one_query())):
+        cache = KVCache([None], 2, 2, positions, 32, dtype=torch.int8)
+        keys, scales = cache.stored["k"][0], cache.stored["k_scale"][0]   # (2, 2, positions, 32), (.., 1)
+        for read in (1, positions // 2, positions):  # the first step, one halfway, the last
+            assert one_query_kernel(q, Quantized(keys[:, :, :read], scales[:, :, :read])) is kernel
+        assert one_query_kernel(q[:1], Quantized(keys[:1, :, :1], scales[:1, :, :1])) is kernel  # fewer rows
