@@ -49,7 +49,11 @@ from model.generation import (
     weights_to_record,
 )
 from model.kv_cache import storage_dtype
-from training.plots import pyplot
+from training.plots import pyplot, write_figure
+
+# New tokens a sample may ask for: more than any book-length text, and past it a sample would not end in
+# any time one waits for (with num_samples > 1, nothing is printed until every sample is done).
+MAX_NEW_TOKENS = 1_000_000
 
 
 @dataclass
@@ -58,7 +62,7 @@ class GenerateConfig:
 
     ckpt: str | None = None        # a run dir (its best.pt, else ckpt.pt) or a checkpoint file;
                                    # None: the latest run in outputs/
-    prompt: str = "\n"
+    prompt: str | None = None      # None: a newline (unless prompt_file gives the prompts)
     prompt_file: str | None = None  # one prompt per line, all in one batch
     num_samples: int = 1           # per prompt
     max_new_tokens: int = 500
@@ -85,8 +89,16 @@ class GenerateConfig:
         if self.ckpt == "":
             raise ValueError("ckpt is empty: give a run dir or a checkpoint file, or leave it out for "
                              "the latest run in outputs/")
-        if self.prompt_file is None and self.prompt == "":
+        if self.prompt_file is not None and not self.prompt_file.strip():
+            raise ValueError("prompt_file is empty: give a file of prompts, one per line, or leave it out")
+        if self.prompt is not None and self.prompt_file is not None:
+            raise ValueError(f"prompt and prompt_file={self.prompt_file} both give the prompts: give one")
+        if self.prompt == "":
             raise ValueError("the prompt is empty: give at least one character, e.g. prompt='\\n'")
+        if self.prompt is None and self.prompt_file is None:
+            self.prompt = "\n"
+        if self.stop == "":
+            raise ValueError("stop is empty: give the text that ends a sample, or leave stop out")
         check_integer(self.num_samples, "num_samples", 1)
         check_integer(self.seed, "seed", 0)
         check_integer(self.attn_layer, "attn_layer", 0)
@@ -94,15 +106,18 @@ class GenerateConfig:
             check_integer(self.prefill_chunk, "prefill_chunk", 1)
         # The library's own objects, made (and so checked) once, here: the run hands them on.
         self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS:,} (a sample that long takes "
+                             f"hours, and several print only when all are done), got {self.max_new_tokens:,}")
         self.precision = Precision(self.dtype, self.quantize)
         # The torch dtype the cache stores in (None: the decode dtype), by the cache's own rule.
         self.cache_dtype = None if self.kv_dtype is None else storage_dtype(self.kv_dtype, "kv_dtype")
         check_device(self.device)
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise ValueError(f"compile must be one of auto, true, false, got {self.compile!r}")
-        if self.attn_plot:
+        if self.attn_plot is not None:
             check_output_file(self.attn_plot, "attn_plot")
-        if self.inspect:
+        if self.inspect is not None:
             self.check_inspect()
 
     def check_inspect(self) -> None:
@@ -135,7 +150,9 @@ LITERAL_OPTIONS = ("prompt", "stop")  # free text: taken as typed, not parsed by
 
 
 def check_output_file(path: str, option: str) -> None:
-    """A file the run will write: its folder must exist and be writable, and it not a folder."""
+    """A file the run will write: named, its folder existing and writable, and it not a folder."""
+    if not path.strip():
+        raise ValueError(f"{option} is empty: give a file name, or leave {option} out")
     folder = Path(path).expanduser().parent
     if not folder.is_dir():
         raise FileNotFoundError(f"{option}={path}: the folder {folder} does not exist")
@@ -147,8 +164,10 @@ def check_output_file(path: str, option: str) -> None:
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
     """The prompts: prompt, or each line of prompt_file."""
-    if cfg.prompt_file:
+    if cfg.prompt_file is not None:
         path = Path(cfg.prompt_file).expanduser()
+        if path.is_dir():
+            raise IsADirectoryError(f"prompt_file={path} is a folder: give a file of prompts, one per line")
         if not path.is_file():
             raise FileNotFoundError(f"prompt_file not found: {path}")
         with naming("prompt_file"):
@@ -199,7 +218,9 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     if cfg.attn_plot:
         ids = encoded[0][-model.config.block_size:]
         labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
-        plot_attention(model, ids, labels, cfg.attn_layer, cfg.attn_plot)
+        fig = attention_figure(model, ids, labels, cfg.attn_layer)
+        with naming("attn_plot"):
+            write_figure(fig, cfg.attn_plot)
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
     kv_dtype = cfg.cache_dtype
     backend, t0 = cfg.step_backend(device), time.perf_counter()
@@ -224,7 +245,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
     if recorder:
         pieces = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in recorder.tokens]
-        size = write_inspect_page(cfg.inspect, recorder.record(), pieces)
+        with naming("inspect"):
+            size = write_inspect_page(cfg.inspect, recorder.record(), pieces)
         print(f"inspect page saved to {cfg.inspect} ({len(recorder.steps)} steps, {size / 2**20:.1f} MB)",
               file=out)
     return [p + t for p, t in zip(prompts, texts)]
@@ -252,7 +274,7 @@ def attention_weights(model, ids: list[int], layer: int) -> torch.Tensor:
         attn.keep_weights, attn.weights = False, None
 
 
-def plot_attention(model, ids: list[int], labels: list[str], layer: int, path) -> None:
+def attention_figure(model, ids: list[int], labels: list[str], layer: int):
     """One heatmap per head of `layer`'s attention over the tokens `ids`, labelled `labels`."""
     weights = attention_weights(model, ids, layer)
     plt = pyplot()
@@ -275,9 +297,8 @@ def plot_attention(model, ids: list[int], labels: list[str], layer: int, path) -
         ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=7)
         ax.set_yticks(range(len(ids)), labels, fontsize=7)
         ax.set(xlabel="key", ylabel="query")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)  # several axes: save_figure's grid is for one
+    fig.tight_layout()  # several axes: save_figure's grid is for one
+    return fig
 
 
 def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) -> list[str]:

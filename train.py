@@ -23,8 +23,7 @@ from omegaconf import DictConfig
 
 from cli.configs import CONFIGS, composed_jobs
 from cli.errors import exit_on_user_error
-from cli.options import check_options, with_default_experiment
-from training.loop import train
+from cli.options import check_options, train_run, with_default_experiment
 from training.options import RunConfig
 
 checked_jobs: list[tuple[DictConfig, RunConfig]] = []  # the command line's jobs, checked before Hydra
@@ -35,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     run = next((run for job, run in checked_jobs if job == cfg), None)
     run = run or exit_on_user_error(check_options, cfg, hydra_cfg.overrides.task)
-    result = exit_on_user_error(train, run, hydra_cfg.runtime.output_dir)
+    result = exit_on_user_error(train_run, run, hydra_cfg.runtime.output_dir)
     if result.get("interrupted"):
         sys.exit(128 + result["interrupted"])  # 130 for Ctrl-C, 143 for SIGTERM, as shells expect
 

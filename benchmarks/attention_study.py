@@ -56,20 +56,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from cli.configs import composed_jobs, config_object
 from cli.errors import exit_on_user_error, naming
-from cli.options import check_options, model_config
+from cli.options import check_options, model_config, train_run
 from data.prepare import load_prepared
 from model import GPT
+from model.checkpoint import write_atomically
 from model.config import check_integer_fields
 from model.convert import convert_checkpoint
 from model.device import Precision, pick_device
 from model.generation import decode_tokens_per_s, load_model
 from training.evaluation import split_loss
-from training.loop import train
 from training.plots import pyplot, save_figure
 from training.run_dir import read_metrics
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DECODE_STEPS = 8  # timed one-token steps per decode measurement (after as many warm-up steps)
+# The decode measurement's cache, at most: rows x positions a study could mean (GPT-2's block is 1,024).
+MAX_DECODE_BATCH, MAX_DECODE_CONTEXT = 1024, 65_536
 
 
 def attention_option(name: str) -> dict:
@@ -127,10 +129,13 @@ class StudyConfig:
                              f"K/V heads only (mha, gqa, mqa)")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"study.seeds must be distinct seeds >= 0, at least one, got {self.seeds}")
-        if not self.decode_batch_sizes or min(self.decode_batch_sizes) < 1:
-            raise ValueError(f"study.decode_batch_sizes must be >= 1 each, got {self.decode_batch_sizes}")
-        if self.decode_context < 2 * DECODE_STEPS:
-            raise ValueError(f"study.decode_context must be >= {2 * DECODE_STEPS}, got {self.decode_context}")
+        batches = self.decode_batch_sizes
+        if not batches or not all(1 <= b <= MAX_DECODE_BATCH for b in batches):
+            raise ValueError(f"study.decode_batch_sizes must be in 1..{MAX_DECODE_BATCH:,} each (rows of a "
+                             f"cache of decode_context positions), got {self.decode_batch_sizes}")
+        if not 2 * DECODE_STEPS <= self.decode_context <= MAX_DECODE_CONTEXT:
+            raise ValueError(f"study.decode_context must be in {2 * DECODE_STEPS}..{MAX_DECODE_CONTEXT:,} "
+                             f"(the positions of each row's cache), got {self.decode_context:,}")
         if self.uptrain_iters < 0:
             raise ValueError(f"study.uptrain_iters must be >= 0, got {self.uptrain_iters}")
         if self.uptrain_lr <= 0:
@@ -183,9 +188,17 @@ def decode_speeds(config, study, device, kv_dtype=None) -> dict:
     """{batch size: tokens/s} of cached one-token steps at study.decode_context positions, for a
     model of `config`'s shape with random weights (speed does not depend on them)."""
     torch.manual_seed(0)
-    model = GPT(dataclasses.replace(config, block_size=study.decode_context, dropout=0.0)).to(device).eval()
+    model = GPT(decode_config(config, study)).to(device).eval()
     return {b: decode_tokens_per_s(model, b, study.decode_context, kv_dtype, DECODE_STEPS)
             for b in study.decode_batch_sizes}
+
+
+def decode_config(config, study):
+    """The model decode speed is measured on: `config`'s shape with a block of study.decode_context
+    positions (all its cache holds), no dropout; refused, naming the study's option, where that block
+    is too short for the model (a window or sinks past it)."""
+    with naming("study.decode_context", "block_size"), naming("model", "GPTConfig"):
+        return dataclasses.replace(config, block_size=study.decode_context, dropout=0.0)
 
 
 def run_record(run_dir: Path, summary: dict) -> dict:
@@ -284,8 +297,14 @@ def write_table(rows: dict, path: Path, study) -> str:
         + ("\n".join(pairs) if pairs else "- none") + "\n"
         + ("\nWhat the int8 cache costs: val loss through it minus through a float32 cache, the same "
            "weights (each run's last):\n" + "\n".join(precision) + "\n" if precision else ""))
-    path.write_text(text)
+    write_report(path, text)
     return text
+
+
+def write_report(path: Path, text: str) -> None:
+    """A file of the study's report, complete or not at all (an earlier one stays if the write fails)."""
+    with naming("hydra.run.dir"):  # the study's folder: a full disk names it
+        write_atomically(path, lambda f: f.write(text.encode()), "report")
 
 
 def pareto_front(rows: dict) -> list[str]:
@@ -449,9 +468,9 @@ def position_table(curves: dict, bounds: list[int]) -> list[str]:
 
 
 def write_positions(cfg: DictConfig, models: list, sequences: torch.Tensor, out_dir: Path, device,
-                    study) -> str:
+                    study, table: str) -> str:
     """Measure each model's loss by position on every seed; write loss_by_position.json and .png,
-    append the table of its ranges to study.md, and return that table."""
+    the table of its ranges after study.md's `table`, and return that table."""
     window, block_size, length = window_size(cfg), cfg.model.block_size, sequences.size(1) - 1
     bounds = sorted({0, window, length} | set(range(block_size, length, block_size)))
     curves = {}
@@ -466,13 +485,13 @@ def write_positions(cfg: DictConfig, models: list, sequences: torch.Tensor, out_
             f"seeds (—: past the model's block_size). \"run with\", \"run without\": the trained weights, "
             f"their window or sinks changed at inference.\n\n"
             + "\n".join(position_table(curves, bounds)) + "\n")
-    with open(out_dir / "study.md", "a") as f:
-        f.write(text)
-    (out_dir / "loss_by_position.json").write_text(json.dumps(
+    write_report(out_dir / "study.md", table + text)  # study.md written again, whole: never half appended
+    write_report(out_dir / "loss_by_position.json", json.dumps(
         {"sequences": len(sequences), "length": length, "stride": block_size, "bucket": study.position_bucket,
          "curves": curves},
         indent=1))
-    plot_positions(curves, out_dir / "loss_by_position.png", window, block_size)
+    with naming("hydra.run.dir"):
+        plot_positions(curves, out_dir / "loss_by_position.png", window, block_size)
     return text
 
 
@@ -501,7 +520,8 @@ def uptrained(cfg: DictConfig, out_dir: Path, seed: int):
     et al. 2023); the checked options that uptrain it."""
     n_kv_head = OmegaConf.to_container(uptrain_config(cfg, seed).model, resolve=True)["n_kv_head"]
     converted = out_dir / f"mha_to_{cfg.study.uptrain_to}_seed{seed}.pt"
-    convert_checkpoint(out_dir / "mha" / f"seed{seed}", n_kv_head, converted)
+    with naming("hydra.run.dir"):  # both checkpoints are in the study's folder
+        convert_checkpoint(out_dir / "mha" / f"seed{seed}", n_kv_head, converted)
     return check_options(uptrain_config(cfg, seed, converted))
 
 
@@ -512,7 +532,7 @@ def train_row(label: str, row_dir: Path, options_for_seed, device, study) -> dic
     for seed in study.seeds:
         print(f"=== {label}, seed {seed} ===", flush=True)
         run_dir = row_dir / f"seed{seed}"
-        runs.append(run_record(run_dir, train(options_for_seed(seed), run_dir)))
+        runs.append(run_record(run_dir, train_run(options_for_seed(seed), run_dir)))
     return summarize(runs, run_dir, device, study)
 
 
@@ -528,6 +548,8 @@ def checked_runs(cfg: DictConfig, study) -> dict:
     if study.uptrain_iters and "mha" in study.variants:
         for seed in study.seeds:
             check_options(uptrain_config(cfg, seed))
+    for run in checked.values():  # each row's decode speed, measured once it has trained
+        decode_config(run.model, study)
     return checked
 
 
@@ -562,10 +584,11 @@ def run_study(cfg: DictConfig, out_dir: Path) -> dict:
         rows[f"{variant}, int8 cache"] = summarize(runs, out_dir / variant / f"seed{study.seeds[-1]}", device,
                                                    study, kv_dtype=torch.int8)
     table = write_table(rows, out_dir / "study.md", study)
-    (out_dir / "study.json").write_text(json.dumps(rows, indent=1))
-    plot(rows, out_dir, study)
+    write_report(out_dir / "study.json", json.dumps(rows, indent=1))
+    with naming("hydra.run.dir"):
+        plot(rows, out_dir, study)
     if models:
-        table += write_positions(cfg, models, sequences, out_dir, device, study)
+        table += write_positions(cfg, models, sequences, out_dir, device, study, table)
     print(table + f"\nwritten to {out_dir}: study.md, study.json, val_loss.png, val_vs_kv_bytes.png, "
           f"decode_by_batch.png" + (", loss_by_position.json, loss_by_position.png" if models else ""))
     return rows

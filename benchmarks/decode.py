@@ -41,7 +41,6 @@ checkpoint is evaluated on its whole val split in each precision.
    first token and decode tokens/s.
 """
 
-import argparse
 import os
 import re
 import subprocess
@@ -52,10 +51,11 @@ from pathlib import Path
 
 import torch
 
-from cli.errors import exit_on_user_error
+from cli.errors import ArgumentParser, exit_on_user_error, naming
 from data.prepare import DataConfig, load_prepared, prepare
 from model import GPT, GPTConfig, Sampling, generate
-from model.checkpoint import latest_run
+from model.checkpoint import find, latest_run
+from model.config import check_integer
 from model.convert import llama_weights
 from model.device import Precision
 from model.generation import (
@@ -69,6 +69,8 @@ from model.kv_cache import KV_DTYPES
 from training.evaluation import split_loss
 
 ROOT = Path(__file__).resolve().parents[1]
+# --new's most: each section samples that many tokens several times, the char model's block holds them
+MAX_NEW = 100_000
 
 PRECISIONS = {  # name: (dtype, quantize, compile)
     "fp32 (exact)": ("float32", None, False),
@@ -339,25 +341,47 @@ def many_samples(samples: int = 8, prompt: int = 200, new: int = 50, rounds: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
     p.add_argument("--new", type=int, default=500, help="new tokens per sample")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: PyTorch's default)")
-    p.add_argument("--code", default=str(ROOT), help="the checkout whose model --sections variants, kv run")
-    p.add_argument("--before", help="--sections kv: also this checkout, side by side")
+    # Absolute: each measured process runs in this checkout, whatever folder the command ran in.
+    absolute = lambda path: str(Path(path).expanduser().resolve())  # noqa: E731
+    p.add_argument("--code", default=str(ROOT), type=absolute,
+                   help="the checkout whose model --sections variants, kv run")
+    p.add_argument("--before", type=absolute, help="--sections kv: also this checkout, side by side")
     sections = ["char", "main", "compile", "threads", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     exit_on_user_error(run, args)
 
 
+def check_args(args) -> None:
+    """Every option, before any section runs: a count in range, a checkpoint that is there, and
+    --code and --before checkouts of this project (each measured process imports `model` from its
+    own; from a folder without one it would import this checkout's, under the other's name)."""
+    check_integer(args.new, "--new", 1, MAX_NEW)
+    check_integer(args.threads, "--threads", 0, os.cpu_count() or 1)
+    if args.ckpt is not None:
+        with naming("--ckpt"):
+            find(args.ckpt, prefer="best.pt")
+    for option, code in (("--code", args.code), ("--before", args.before)):
+        if code is not None and not (Path(code) / "model" / "__init__.py").is_file():
+            why = "does not exist" if not Path(code).exists() else "has no model/__init__.py"
+            raise FileNotFoundError(f"{option} {code} is not a checkout of this project: it {why}")
+
+
 def run(args) -> None:
+    check_args(args)
+    needs_ckpt = {"main", "compile", "threads"} & set(args.sections)
+    with naming("--ckpt", "ckpt"):  # found, and a model transformers' Llama takes, before any section runs
+        ckpt = args.ckpt or (str(latest_run("outputs")) if needs_ckpt else None)
+    if "main" in args.sections:
+        llama_weights(load_model(ckpt, "cpu", Precision("float32", None))[0])  # (a second, not minutes later)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if "char" in args.sections:
         char_shape(args.new)
-    needs_ckpt = {"main", "compile", "threads"} & set(args.sections)
-    ckpt = args.ckpt or (str(latest_run("outputs")) if needs_ckpt else None)
     if "main" in args.sections:
         main_job(ckpt, args.new)  # a non-Llama model: one-line error
     if "compile" in args.sections:

@@ -34,12 +34,12 @@ same code at toy sizes on the CPU, so the script is known to work before a GPU r
 mean nothing.
 """
 
-import argparse
 import dataclasses
 import gc
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -60,11 +60,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from model.checkpoint import write_atomically  # noqa: E402
 from model.device import synchronized_clock  # noqa: E402
 from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
 from training.evaluation import target_windows  # noqa: E402
 from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
+from training.run_dir import append_line  # noqa: E402
 from training.throughput import peak_tflops  # noqa: E402
 
 TARGET = 1.4697  # nanoGPT's val loss with its GPU recipe (5000 iterations; ~3 minutes on an A100)
@@ -115,21 +118,18 @@ SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "profile", "col
 # ----------------------------------------------------------------------------- results, as they come
 
 class Results:
-    """--out/results.jsonl, one row per measurement appended and synced as it ends, and tables.md
-    rewritten from the rows after each (so what a killed command measured is on disk)."""
+    """--out/results.jsonl, one row per measurement appended and synced as it ends (whole or not at
+    all), and tables.md rewritten atomically from the rows after each (so what a killed command
+    measured is on disk)."""
 
     def __init__(self, out: Path):
         out.mkdir(parents=True, exist_ok=True)
         self.out, self.path = out, out / "results.jsonl"
 
     def add(self, row: dict) -> dict:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        tables = self.out / "tables.md"
-        (self.out / "tables.md.tmp").write_text(render_tables(self.rows()))
-        os.replace(self.out / "tables.md.tmp", tables)
+        append_line(self.path, json.dumps(row), sync=True)
+        tables = render_tables(self.rows()).encode()
+        write_atomically(self.out / "tables.md", lambda f: f.write(tables), "tables")
         return row
 
     def rows(self, section: str | None = None) -> list[dict]:
@@ -626,9 +626,10 @@ def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, in
         if device.type == "cuda":
             torch.cuda.synchronize()
     averages = prof.key_averages()
-    (out / f"profile_{label}.txt").write_text(
-        averages.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
-                       row_limit=25) + "\n\n" + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    first = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    text = (averages.table(sort_by=first, row_limit=25) + "\n\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    write_atomically(out / f"profile_{label}.txt", lambda f: f.write(text.encode()), "profile")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.device_time for e in kernels) / 1e3, len(kernels)
 
@@ -737,9 +738,8 @@ def run_whole(cmd: list[str], cwd: Path, env: dict, log: Path, timeout: float) -
     code = proc.wait()
     wall = time.perf_counter() - t0
     timer.cancel()
-    with open(log, "a") as f:
-        f.write(f"\n$ {' '.join(cmd)}  (in {cwd}; exit {code}; {wall:.1f} s)\n")
-        f.write("".join(c for _, c in chunks))
+    append_line(log, f"\n$ {' '.join(cmd)}  (in {cwd}; exit {code}; {wall:.1f} s)\n"
+                     + "".join(c for _, c in chunks))
     if code:
         tail = "".join(c for _, c in chunks).strip().splitlines()[-3:]
         raise RuntimeError(f"exit {code} after {wall:.0f} s: {' | '.join(tail)}"[:300])
@@ -1010,7 +1010,7 @@ def cold_lever_names(names: list[str]) -> list[str]:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks the script")
     parser.add_argument("--section", nargs="+", choices=SECTIONS, default=SECTIONS)
     parser.add_argument("--levers", nargs="+", default=None,
@@ -1024,6 +1024,11 @@ def main(argv=None) -> list[dict]:
                              "command (its run is then skipped)")
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = parser.parse_args(argv)
+    if args.against and not (all(map(math.isfinite, args.against)) and args.against[1] > 0):
+        parser.error(f"--against VAL SECONDS: nanoGPT's best val loss and the seconds it took, finite and "
+                     f"SECONDS > 0; got {' '.join(map(str, args.against))}")
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file: give a folder (results.jsonl and tables.md go in it)")
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no CUDA device: run it on a GPU, or with --smoke")

@@ -6,7 +6,6 @@ GPU recipe's architecture, model.convert.neox_weights), the same sampling (tempe
     python benchmarks/hf_generate.py outputs/<run> --max-new-tokens 500
 """
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -16,7 +15,9 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from cli.errors import ArgumentParser, exit_on_user_error, naming  # noqa: E402
 from data.tokenizer import TextStream, tokenizer_from_meta  # noqa: E402
+from model.config import check_integer  # noqa: E402
 from model.convert import neox_weights  # noqa: E402
 from model.device import Precision, pick_device  # noqa: E402
 from model.generation import load_model  # noqa: E402
@@ -40,15 +41,25 @@ class Printer(BaseStreamer):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ckpt", help="a run dir or checkpoint of ours")
     parser.add_argument("--max-new-tokens", type=int, default=500)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompt", default="\n")
     parser.add_argument("--seed", type=int, default=1337)
-    args = parser.parse_args()
-    device = pick_device(args.device)
-    model, ckpt = load_model(args.ckpt, device, Precision("float32", None))
+    exit_on_user_error(sample, parser.parse_args())
+
+
+def sample(args) -> None:
+    """The sample, its options checked first (each error names the option)."""
+    check_integer(args.max_new_tokens, "--max-new-tokens", 1, 1_000_000)  # generate.py's bound (hours)
+    check_integer(args.seed, "--seed", 0)
+    if not args.prompt:
+        raise ValueError("--prompt is empty: give at least one character, e.g. --prompt 'ROMEO:'")
+    with naming("--device", "device"):
+        device = pick_device(args.device)
+    with naming("ckpt"):
+        model, ckpt = load_model(args.ckpt, device, Precision("float32", None))
     config, state = neox_weights(model.cpu())
     hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**config)).eval()
     if "embed_out.weight" in hf.state_dict():  # (transformers before 5.x's rename)

@@ -23,7 +23,6 @@ periodic evaluation at or below it, timed from the process start. Printed: a tab
 ratios the project's targets are stated in.
 """
 
-import argparse
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from cli.errors import ArgumentParser
 from model import GPT, checkpoint
 from training.optimizer import configure_optimizer
 from training.run_dir import read_metrics
@@ -61,8 +61,6 @@ def timed(cmd: list[str], cwd: Path, env: dict | None = None) -> tuple[float, st
 
 
 def run_nanogpt(checkout: Path, tmp: Path) -> dict:
-    if not (checkout / "train.py").is_file() or not (checkout / "data/shakespeare_char/prepare.py").is_file():
-        sys.exit(f"error: --nanogpt {checkout} is not a nanoGPT checkout (train.py, data/shakespeare_char/)")
     copy = tmp / "nanoGPT"
     shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "out*"))
     shutil.copyfile(CORPUS, copy / "data/shakespeare_char/input.txt")  # prepare.py skips its download
@@ -136,12 +134,14 @@ def median(values: list[float]) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nanogpt", required=True, type=Path, help="a checkout of karpathy/nanoGPT")
     args = p.parse_args()
+    checkout = args.nanogpt.expanduser().resolve()
+    if not (checkout / "train.py").is_file() or not (checkout / "data/shakespeare_char/prepare.py").is_file():
+        p.error(f"--nanogpt {checkout} is not a nanoGPT checkout (train.py, data/shakespeare_char/)")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        checkout = args.nanogpt.expanduser().resolve()
         short = ["train.max_iters=200", "train.eval_interval=1000", "train.full_val=false"]
         threads = {n: run_ours(short, Path(tmp) / f"threads{n}", {"OMP_NUM_THREADS": str(n)})["ms_per_iter"]
                    for n in sorted({1, os.cpu_count() or 1})}

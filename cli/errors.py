@@ -1,5 +1,6 @@
 """The one error guard of every command line (train.py, generate.py, python -m cli.prepare,
-python -m cli.convert, the attention study), and `naming`, which says which option an error is about.
+python -m cli.convert, the attention study, the benchmarks), `naming`, which says which option an
+error is about, and `ArgumentParser`, argparse's parser with its errors as one line too.
 
 Library code raises built-in exceptions about its own arguments; `naming` renames them to the
 option the user typed, and `exit_on_user_error` ends the process with `error: <one line>` and
@@ -7,6 +8,7 @@ exit code 1 (HYDRA_FULL_ERROR=1 shows the traceback). Bugs (TypeError, KeyError,
 errors) are never dressed up as the user's mistake.
 """
 
+import argparse
 import os
 import re
 import signal
@@ -90,8 +92,20 @@ def naming(option: str, argument: str | None = None):
             text = re.sub(rf"\A{name}(?=[:\s])|{name}(?==|\.\w)", option, text)
         else:
             text = f"{option}: {text}"
+        if text == str(e):  # not about the option: raised as it was (a bug inside torch stays one)
+            raise
         try:
             renamed = type(e)(text)
         except TypeError:  # an exception that takes other arguments (UnicodeDecodeError)
             renamed = ValueError(text)
         raise renamed from e
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser for the command lines that take --options (python -m cli.convert, the
+    benchmarks): what it rejects itself (a missing argument, a value not of its type) is one line
+    and exit code 1 as well, `error: argument --threads: invalid int value: 'x'` (argparse's own
+    prints its usage first and exits 2)."""
+
+    def error(self, message):
+        sys.exit(user_error(message))

@@ -1,6 +1,7 @@
 """A training run's command line: every option of a job checked once, before any work, into a
 RunConfig (`check_options`), with errors that name the option typed; a resumed run's config (its
-checkpoint's, plus what the command line set); and the recipe a run without experiment=... gets.
+checkpoint's, plus what the command line set); the recipe a run without experiment=... gets; and
+the run itself (`train_run`), whose run dir's errors name the option too.
 """
 
 import dataclasses
@@ -19,9 +20,17 @@ from model import GPTConfig, checkpoint
 from model.checkpoint import Checkpoint
 from model.device import pick_device
 from training.distributed import check_processes, print0
+from training.loop import train
 from training.optimizer import optimizer_name
 from training.options import RunConfig, check_fits
 from training.run_dir import WANDB_MODES
+
+
+def train_run(run: RunConfig, run_dir) -> dict:
+    """training.loop.train, the errors of its run dir (`run_dir: cannot write checkpoint ...`: a full
+    disk) named as the option that sets it, hydra.run.dir."""
+    with naming("hydra.run.dir", "run_dir"):
+        return train(run, run_dir)
 
 
 def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunConfig:
@@ -76,7 +85,7 @@ def check_options(cfg: DictConfig, overrides: list[str] | None = None) -> RunCon
             raise ValueError(f"model.block_size={model.block_size} is too long for the {split} split "
                              f"({meta[f'{split}_tokens']:,} tokens): lower it, or give more text "
                              f"(data.path, data.val_fraction)")
-    check_fits(model, train_cfg.batch_size, device)
+    check_fits(model, train_cfg.batch_size, device, train_cfg.dtype)
     config = OmegaConf.to_container(cfg, resolve=True) | {"model": dataclasses.asdict(model)}
     return RunConfig(config, train_cfg, data_cfg, model, device, data_dir, meta, source)
 

@@ -1,6 +1,7 @@
 """Read a corpus (the shipped TinyShakespeare or your own UTF-8 text files), split it 90/10 by
 character, tokenize it with Hugging Face `datasets`, and write uint16/uint32 token arrays plus
-meta.json. Idempotent, and offline: nothing is downloaded.
+meta.json. Idempotent, and offline: nothing is downloaded. A prepared folder is complete or not
+there: written in a temp folder, synced, then renamed (a failed write leaves neither).
 
     python -m cli.prepare data=shakespeare_char      # or data=shakespeare_bpe, data=text_files ...
 
@@ -142,13 +143,25 @@ def prepare(cfg: DataConfig) -> Path:
     bpe = BPETokenizer() if cfg.tokenizer == "bpe" else None  # its errors are not the cache's
     try:
         write_prepared(cfg, files, source, key, tmp_dir, bpe)
-        os.replace(tmp_dir, out_dir)
+        sync_files(tmp_dir)
+        os.replace(tmp_dir, out_dir)  # the folder is complete, or not there
     except OSError as e:
         if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
             raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
+
+
+def sync_files(folder: Path) -> None:
+    """Every file of `folder` on disk before the rename that makes it the prepared folder, as a
+    checkpoint's is before its rename (a crash then leaves no folder of empty arrays)."""
+    for path in folder.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_prepared(cfg: DataConfig, files: list[Path], source: bytes, key: str, out_dir: Path,
@@ -158,10 +171,16 @@ def write_prepared(cfg: DataConfig, files: list[Path], source: bytes, key: str, 
     `datasets` reads must be (line endings aside: it reads text with universal newlines)."""
     import datasets  # slow to import: only when there is work
 
-    with quiet(datasets):  # (paths escaped: datasets takes them as globs, and drops what none match)
-        corpus = datasets.load_dataset("text", data_files={"corpus": [glob.escape(str(f)) for f in files]},
-                                       sample_by="document", keep_linebreaks=True,
-                                       cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
+    escaped = [glob.escape(str(f)) for f in files]  # datasets takes paths as globs, and drops what none match
+    try:
+        with quiet(datasets):
+            corpus = datasets.load_dataset("text", data_files={"corpus": escaped}, sample_by="document",
+                                           keep_linebreaks=True,
+                                           cache_dir=str(cache_dir(cfg) / "hf"))["corpus"]
+    except datasets.exceptions.DatasetGenerationError as e:
+        if isinstance(e.__cause__, OSError):  # its cache in data.cache_dir could not be written (a full disk)
+            raise e.__cause__ from e
+        raise
     text = "".join(corpus["text"])
     if not text:
         raise ValueError(f"data.path: the corpus is empty: {', '.join(map(str, files))}")
@@ -225,7 +244,7 @@ def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
     if not isinstance(meta, dict):
         raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
     vocab_size = meta_vocab_size(meta)
-    if meta.get("vocab_size") != vocab_size:
+    if type(meta.get("vocab_size")) is not int or meta["vocab_size"] != vocab_size:  # (8.0, true: not ints)
         raise ValueError(f"meta.json's vocab_size {meta.get('vocab_size')!r} is not its tokenizer's "
                          f"{vocab_size}")
     for name, tokens in (("train", train), ("val", val)):
@@ -234,3 +253,7 @@ def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
         if len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(f"{name}.npy holds token id {int(tokens.max())}, past the vocabulary "
                              f"({vocab_size})")
+
+
+if __name__ == "__main__":  # the command it was before the command lines moved to cli/
+    raise SystemExit("error: data.prepare is a library module now; the command is python -m cli.prepare")

@@ -5,6 +5,7 @@ TextStream, the text of tokens that come one at a time. GPT-2's BPE ranks ship w
 import base64
 import codecs
 import hashlib
+import operator
 from pathlib import Path
 
 import tiktoken
@@ -41,10 +42,10 @@ class CharTokenizer:
             ) from None
 
     def decode(self, ids) -> str:
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] for i in token_ids(ids, self.vocab_size))
 
     def token_bytes(self, token: int) -> bytes:
-        return self.chars[token].encode()
+        return self.chars[token_ids([token], self.vocab_size)[0]].encode()
 
 
 class BPETokenizer:
@@ -64,10 +65,25 @@ class BPETokenizer:
         return self.encoding.encode_ordinary(text)  # special tokens in text stay plain text
 
     def decode(self, ids) -> str:
-        return self.encoding.decode(list(ids))  # bytes that are not UTF-8 become U+FFFD
+        # bytes that are not UTF-8 become U+FFFD
+        return self.encoding.decode(token_ids(ids, self.vocab_size))
 
     def token_bytes(self, token: int) -> bytes:
-        return self.encoding.decode_single_token_bytes(token)
+        return self.encoding.decode_single_token_bytes(token_ids([token], self.vocab_size)[0])
+
+
+def token_ids(ids, vocab_size: int) -> list[int]:
+    """ids as a list of ints, each an id of a vocabulary of vocab_size, else a ValueError: a negative
+    id would read the vocabulary from its end (a list's index), one past it would be tiktoken's
+    KeyError or OverflowError."""
+    try:
+        ids = [operator.index(i) for i in ids]  # ints of any kind (numpy's, a tensor's items)
+    except TypeError as e:
+        raise ValueError(f"token ids must be integers: {e}") from None
+    if bad := [i for i in ids if not 0 <= i < vocab_size]:
+        raise ValueError(f"token ids must be in 0..{vocab_size - 1} (the tokenizer's vocabulary), got "
+                         f"{bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
+    return ids
 
 
 class TextStream:

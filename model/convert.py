@@ -22,7 +22,7 @@ import torch
 
 from model import checkpoint
 from model.checkpoint import Checkpoint
-from model.config import GPTConfig
+from model.config import GPTConfig, check_integer
 
 
 def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, GPTConfig]:
@@ -31,9 +31,10 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
     if config.mla_latent_dim is not None:
         raise ValueError("this checkpoint uses multi-head latent attention (mla_latent_dim): its keys "
                          "and values come from a latent, there are no K/V heads to mean-pool")
-    new_config = dataclasses.replace(config, n_kv_head=n_kv_head)  # validates n_kv_head
-    if config.n_kv_head % n_kv_head:
-        raise ValueError(f"n_kv_head={n_kv_head} must divide the checkpoint's n_kv_head={config.n_kv_head}")
+    check_integer(n_kv_head, "n_kv_head", 1)
+    if config.n_kv_head % n_kv_head:  # (so it divides n_head too: the new config is valid)
+        raise ValueError(f"n_kv_head={n_kv_head} must divide the checkpoint's {config.n_kv_head} K/V heads")
+    new_config = dataclasses.replace(config, n_kv_head=n_kv_head)
     C, hd, old = config.n_embd, config.head_dim, config.n_kv_head
     group = old // n_kv_head
 
@@ -188,3 +189,7 @@ def convert_checkpoint(src, n_kv_head: int, out) -> tuple[GPTConfig, GPTConfig]:
         model=weights, model_config=new_config, data_meta=ckpt.data_meta, config=ckpt.config,
         converted_from={"path": str(src), "n_kv_head": ckpt.model_config.n_kv_head}))
     return ckpt.model_config, new_config
+
+
+if __name__ == "__main__":  # the command it was before the command lines moved to cli/
+    raise SystemExit("error: model.convert is a library module now; the command is python -m cli.convert")

@@ -11,6 +11,7 @@ With and without the cache the same tokens come out while prompt + new tokens fi
 block_size // 2); each row of a batch is generated exactly as its prompt would be alone.
 """
 
+import itertools
 import math
 import warnings
 from dataclasses import dataclass
@@ -252,18 +253,21 @@ def new_tokens_allowed(config, prompt_len: int) -> float:
     return math.inf
 
 
-def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_size=None) -> list[int]:
+def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_size=None,
+               stop=()) -> list[int]:
     """A sample as nanoGPT's sample.py draws it (temperature 0.8, top_k 200, seeded): `prompt` and
-    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed). On
+    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed), or
+    where `stop` (a list a signal handler appends to) gets a signal: the tokens drawn until then. On
     CUDA each token is one replay of the step captured as a CUDA graph, as `generate.py` samples
     there, not a pass of the model launched kernel by kernel from Python."""
     device = model.wte.weight.device
     n = min(max_new_tokens, new_tokens_allowed(model.config, len(prompt)))
     step = CompiledDecodeStep(model.eval(), backend="cuda_graph") if device.type == "cuda" and n > 1 else None
-    out = generate(model.eval(), torch.tensor([prompt], device=device), n, temperature=0.8, top_k=200,
-                   vocab_size=vocab_size, generator=torch.Generator(device=device).manual_seed(seed),
-                   decode_step=step)
-    return out[0].tolist()
+    sampling, generator = Sampling(n, temperature=0.8, top_k=200), torch.Generator(device=device)
+    tokens = stream(model.eval(), torch.tensor([prompt], device=device), sampling, vocab_size=vocab_size,
+                    generator=generator.manual_seed(seed), decode_step=step)
+    new = list(itertools.takewhile(lambda token: not stop, tokens))     # (1,) each, on the device
+    return prompt + (torch.cat(new).tolist() if new else [])
 
 
 def prefill(model, tokens, cache=None, pad=None, chunk=None, share_prefix=True):
@@ -313,9 +317,11 @@ def shared_prefix(context, pad=None) -> int:
 
 
 def feed(model, tokens, cache, pad=None, chunk=None):
-    """Write tokens (B, T) into the cache after what it holds, `chunk` at a time (None: all at once);
-    the logits (B, vocab) after the last."""
-    step = tokens.size(1) if chunk is None else chunk
+    """Write tokens (B, T) into the cache after what it holds, `chunk` at a time (None: all at once,
+    up to block_size); the logits (B, vocab) after the last. Past block_size (a ring's prompt, of any
+    length) block_size at a time, the same numbers as at once: the attention of a pass is T x (the
+    cache's slots + T), its mask and a sink logit's bias per head too, bounded so, not T x T."""
+    step = min(tokens.size(1), model.config.block_size) if chunk is None else chunk
     for i in range(0, tokens.size(1), step):
         logits = model(tokens[:, i:i + step], kv_cache=cache, pad=pad, last_only=True)
     return logits[:, -1]
@@ -535,11 +541,14 @@ class DecodeRecorder:
     given. Hooks on the model record the batch's first row, while entered; a decode nobody watches
     runs without them. Entered, every attention layer keeps its weights, which runs it on the naive
     backend (SDPA's function, to float rounding; an int8 cache's step reads the numbers its int8
-    values and scales stand for). The stream must run the model's forward: no compiled decode_step."""
+    values and scales stand for). The stream must run the model's forward (no compiled decode_step),
+    and only into its own cache: a batch whose rows share a prompt prefix records with
+    share_prefix=False. The first row's left padding is no token: its slots are empty (-1), as a
+    row's slots before it is written."""
 
     def __init__(self, model, prompt):
         self.model, self.tokens, self.prompt_len = model, [int(t) for t in prompt], len(prompt)
-        self.steps, self.cache = [], None
+        self.steps, self.cache, self.stream_cache = [], None, None
         self.last, self.first_start, self.refilled = None, None, False  # the forwards since the last token
 
     def __enter__(self):
@@ -569,6 +578,11 @@ class DecodeRecorder:
     def after_forward(self, model, args, kwargs, output):
         """What this forward pass left: each group's slots, the last query's weights per layer."""
         T, cache, pad = args[0].size(1), kwargs.get("kv_cache"), kwargs.get("pad")
+        if cache is not None and self.stream_cache not in (None, cache):
+            raise ValueError("DecodeRecorder records the forward passes into one cache, but its rows share a "
+                             "prompt prefix, computed once in a cache of its own: record the stream with "
+                             "share_prefix=False")
+        self.stream_cache = self.stream_cache or cache
         end = T if cache is None else cache.length       # columns 0 .. end-1 hold the context
         start = end - T                                   # the columns this forward wrote
         row_pad = None if pad is None else pad[:1]        # (1,): the first row's
@@ -599,12 +613,15 @@ class DecodeRecorder:
 
     @staticmethod
     def held_columns(cache, g, input_pos, end, row_pad) -> torch.Tensor:
-        """(slots,): the column each slot of group g holds once `end` are written, -1 for none; for
-        no cache, the context's columns 0 .. end-1."""
+        """(slots,): the column each slot of group g holds once `end` are written, -1 for none and
+        for the row's padding (its columns before row_pad: no token of its own, the mask hides them);
+        for no cache, the context's columns 0 .. end-1."""
         if cache is None:
-            return torch.arange(end)
-        held = cache.key_positions(g, input_pos[-1:], None, row_pad).reshape(-1).cpu()  # (slots,)
-        return held.masked_fill(held >= end, -1)
+            held = torch.arange(end)
+        else:
+            held = cache.key_positions(g, input_pos[-1:], None, row_pad).reshape(-1).cpu()  # (slots,)
+        padding = held < (0 if row_pad is None else int(row_pad))  # a negative pad: no column is one
+        return held.masked_fill((held >= end) | padding, -1)
 
     def close_step(self, token: int) -> None:
         """The entry of the token the forward passes since the last one made."""

@@ -4,6 +4,8 @@ and one-line errors."""
 import io
 import os
 import shutil
+import signal
+import time
 
 import pytest
 import torch
@@ -12,7 +14,18 @@ from cli.configs import quote_literal_options
 from data.tokenizer import BPETokenizer, CharTokenizer
 from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
 from model import checkpoint
-from tests.helpers import MULTI_BYTE, ROOT, assert_one_line_error, compose, run_in_process, tiny_model
+from tests.helpers import (
+    MULTI_BYTE,
+    ROOT,
+    assert_one_line_error,
+    compose,
+    disk_full_after,
+    finish,
+    run_in_process,
+    start_cli,
+    temp_files,
+    tiny_model,
+)
 
 
 def generate_cli(*args, cwd=ROOT):
@@ -99,6 +112,18 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_a_plot_the_disk_refuses_names_attn_plot_and_keeps_the_earlier_file(tiny_ckpt, tmp_path):
+    """Writes fail past 2 kB, part-way through the heatmaps' PNG: one line naming the option and the
+    file, the earlier file as it was, no temp file."""
+    png, earlier = tmp_path / "attn.png", b"the earlier plot"
+    png.write_bytes(earlier)
+    with disk_full_after(2048):
+        result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO: hi", "max_new_tokens=2", f"attn_plot={png}")
+    assert_one_line_error(result, f"error: attn_plot: cannot write plot {png}: File too large; the previous "
+                                  f"one is intact")
+    assert png.read_bytes() == earlier and temp_files(tmp_path) == []
+
+
 @pytest.mark.parametrize("args,message", [
     (["prompt='Zé'"], "not in this model's vocabulary: 'é'"),
     (["prompt="], "the prompt is empty"),
@@ -110,6 +135,8 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
     (["kv_dtype=int4"], "kv_dtype must be one of float32, bfloat16, int8 (a torch dtype or its name), got"),
     (["seed=100000000000000000000000"], "seed=100000000000000000000000 is out of range"),
     (["max_new_tokens=100000000000000000000"], "max_new_tokens=100000000000000000000 is out of range"),
+    ([f"max_new_tokens={2**63 - 1}", "num_samples=2"], "max_new_tokens must be at most 1,000,000 (a sample "
+                                                       "that long takes hours, and several print only when"),
     ([f"num_samples={2**63 - 1}"], f"num_samples={2**63 - 1}: 9,223,372,036,854,775,807 rows take at least"),
     (["inspect=/nonexistent/a.html"], "inspect=/nonexistent/a.html: the folder /nonexistent does not exist"),
     (["inspect=tests"], "inspect=tests is a folder: give a file name"),
@@ -126,6 +153,18 @@ def test_cli_benchmark_and_attention_plot(tiny_ckpt, tmp_path):
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
+
+
+def test_a_sigterm_ends_a_long_sample_at_once_and_what_it_printed_stays(tiny_ckpt):
+    """A sample as long as max_new_tokens allows (minutes here), streamed as it grows: SIGTERM ends the
+    process within seconds, and the text printed before it was written out as it came (flushed)."""
+    proc = start_cli("generate.py", f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=1000000")
+    printed = proc.stdout.read(200)  # the prompt and the first new tokens: there before the signal
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    result = finish(proc, timeout=60)
+    assert result.returncode == -signal.SIGTERM and time.monotonic() - signalled < 10, result.stderr[-2000:]
+    assert printed.startswith("ROMEO:") and len(printed) == 200
 
 
 def test_without_ckpt_it_samples_from_the_latest_run_in_outputs(tiny_ckpt, tmp_path):

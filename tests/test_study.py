@@ -156,7 +156,10 @@ def test_the_new_study_options_name_themselves_in_one_line(kwargs, message):
     (["study.window_pattern=SSSL"], r"study.window_pattern='SSSL' must be 1..n_layer=2 letters S"),
     (["study.position_blocks=5000"], r"study.position_blocks=5000: a sequence of 160000 tokens needs a val "
                                      r"split of 160001 tokens or more, this one has \d+"),
-], ids=["pattern_longer_than_the_model", "sequences_longer_than_the_val_split"])
+    (["study.window_size=20", "study.decode_context=16"],  # decode speed is measured once a row has trained
+     r"model.attn_window=20 must be <= study.decode_context=16"),
+], ids=["pattern_longer_than_the_model", "sequences_longer_than_the_val_split",
+        "window_past_the_decode_context"])
 def test_what_the_model_and_data_refuse_names_the_study_option_before_any_row_trains(
         overrides, message, tiny_run, tmp_path):
     cfg = compose(*tiny_run, "study.variants=[mha]", *overrides, config_name="study")

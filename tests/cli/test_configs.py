@@ -17,8 +17,9 @@ from cli.options import model_config, with_default_experiment
 from data.prepare import DataConfig
 from generate import GenerateConfig
 from model import GPTConfig
+from model.device import memory_bytes
 from tests.helpers import ROOT, assert_one_line_error, compose, run_in_process
-from training.options import TrainConfig
+from training.options import TrainConfig, check_fits, training_step_bytes
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
 SCHEMAS = [  # (a YAML file, the node in it, the dataclass it mirrors)
@@ -263,3 +264,72 @@ def test_a_model_or_batch_past_the_devices_memory_is_refused_before_the_run(over
                             f"hydra.run.dir={tmp_path / 'run'}")
     assert_one_line_error(result, "GiB of cpu: lower train.batch_size or the model's size")
     assert not (tmp_path / "run").exists()
+
+
+# A real training step's peak RSS on a CPU, less the memory before it, plus the weights that were
+# there already (float32, eager, one thread, vocabulary 65): (model fields, batch, bytes).
+CPU_RECIPE = dict(block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False, mlp="gelu_exact")
+MAIN_JOB = dict(block_size=256, n_layer=4, n_head=4, n_embd=128, bias=False, pos_emb="rope", norm="rmsnorm",
+                mlp="swiglu")
+MEASURED_STEPS = [
+    (dict(block_size=256, n_layer=4, n_head=4, n_embd=128), 16, 183_823_872),
+    (dict(block_size=256, n_layer=4, n_head=4, n_embd=128), 32, 351_723_008),
+    (dict(block_size=256, n_layer=4, n_head=4, n_embd=128, vocab_size=16_000), 32, 2_435_492_864),
+    (CPU_RECIPE, 512, 1_361_875_968),
+    (MAIN_JOB, 128, 1_768_207_360),
+]
+
+
+@pytest.mark.parametrize("fields, batch, measured", MEASURED_STEPS)
+def test_the_memory_check_counts_what_a_training_step_holds(fields, batch, measured):
+    """What check_fits counts is what a step takes, within 25% below and 7% above: not the tenth of it
+    the check once counted (the logits and one number per layer and position)."""
+    state, activations = training_step_bytes(GPTConfig(**{"vocab_size": 65} | fields), batch)
+    assert 0.75 * measured <= state + activations <= 1.07 * measured
+
+
+def test_a_batch_past_the_memory_is_refused_and_one_within_it_is_not():
+    """The CPU recipe at 1.1 times the batch the machine's memory holds, as measured, is refused by
+    name (the OOM killer's, once running, without the check, which let 15 times this batch through);
+    at 0.8 times it, not. (How the refusal reads on the command line: the test above.)"""
+    model, cpu = GPTConfig(**{"vocab_size": 65} | CPU_RECIPE), torch.device("cpu")
+    per_row = MEASURED_STEPS[3][2] / MEASURED_STEPS[3][1]
+    fits = memory_bytes(cpu) / per_row
+    with pytest.raises(ValueError, match=r"x 64 tokens\), more than the .* lower train.batch_size"):
+        check_fits(model, math.ceil(1.1 * fits), cpu)
+    check_fits(model, int(0.8 * fits), cpu)
+
+
+
+# Every count that costs time or memory as it grows, with the fields it needs beside it and its largest
+# value: past it a run would not end, or not fit, once started (issue 54's counts accepted up to 2**63 - 1).
+COUNTS = [("train", "train.", "grad_accum", {}, 1024), ("train", "train.", "eval_iters", {}, 10_000),
+          ("train", "train.", "sample_tokens", {}, 10_000), ("generate", "", "max_new_tokens", {}, 1_000_000),
+          ("train", "model.", "mla_latent_dim", {"mla_rope_dim": 16}, 8 * 128),  # 8 x n_embd (128)
+          ("train", "model.", "mla_rope_dim", {"mla_latent_dim": 64}, 8 * 128),
+          ("train", "model.", "attn_sinks", {"attn_window": 8}, 64),              # block_size
+          ("study", "study.", "decode_context", {}, 65_536),
+          ("study", "study.", "decode_batch_sizes", {}, 1024)]
+
+
+def checked_node(node, prefix: str):
+    """A config node made into its dataclass, as the command line checks it."""
+    return model_config(node, vocab_size=65) if prefix == "model." else config_object(node, prefix)
+
+
+@pytest.mark.parametrize("config,prefix,field,beside,most", COUNTS, ids=[f"{c[1]}{c[2]}" for c in COUNTS])
+def test_every_count_has_a_bound_a_user_could_mean(config, prefix, field, beside, most):
+    """Its largest value is taken; one more, and 2**63 - 1, are refused at config time in one line
+    naming the option and its bound, before any work."""
+    for value, taken in ((most, True), (most + 1, False), (2**63 - 1, False)):
+        node = composed(config).copy()
+        node = node[prefix.rstrip(".")] if prefix else node
+        for name, other in beside.items():
+            node[name] = other
+        node[field] = [value] if INT_TYPES[field] == list[int] else value
+        if taken:
+            checked_node(node, prefix)
+            continue
+        with pytest.raises(ValueError, match=rf"^{prefix}{field}\b.*({most:,}|{most})\b") as error:
+            checked_node(node, prefix)
+        assert "\n" not in str(error.value)

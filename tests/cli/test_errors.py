@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cli import errors
-from cli.errors import exit_on_user_error, naming, user_error
+from cli.errors import exit_on_user_error, naming, raised_inside_torch, user_error
 from model.config import GPTConfig
 from tests.helpers import assert_one_line_error, finish, run_in_process, start_cli
 from training.distributed import check_processes
@@ -66,6 +66,32 @@ BAD_INPUTS = [
     (["generate.py", "prompt_file={file}"], "prompt_file: {file} is not UTF-8 text: byte 0xff at offset 4"),
     (["-m", "cli.prepare", "data.path={file}"], "is not UTF-8 text"),
     (["-m", "cli.convert", "{tmp}", "--n-kv-head", "2", "--out", "{tmp}"], "already exists (nothing is"),
+    (["-m", "cli.convert", "{file}", "--n-kv-head", "2", "--out", "{tmp}/new/"],
+     "--out {tmp}/new/ names a folder: give the file to write, e.g. --out {tmp}/new/converted.pt"),
+    (["-m", "cli.convert", "{file}", "--n-kv-head", "two", "--out", "a.pt"],
+     "argument --n-kv-head: invalid int value: 'two'"),
+    (["-m", "data.prepare"], "data.prepare is a library module now; the command is python -m cli.prepare"),
+    (["-m", "model.convert"], "model.convert is a library module now; the command is python -m cli.convert"),
+    (["generate.py", "prompt=a", "prompt_file={file}"], "prompt and prompt_file={file} both give the"),
+    (["generate.py", "prompt_file={tmp}"], "prompt_file={tmp} is a folder: give a file of prompts"),
+    (["generate.py", "prompt_file="], "prompt_file is empty"),
+    (["generate.py", "inspect="], "inspect is empty: give a file name, or leave inspect out"),
+    (["generate.py", "attn_plot="], "attn_plot is empty: give a file name, or leave attn_plot out"),
+    (["generate.py", "stop="], "stop is empty"),
+    (["benchmarks/decode.py", "--threads", "-1"], "--threads must be an integer >= 0, got -1"),
+    (["benchmarks/decode.py", "--threads", "1.5"], "argument --threads: invalid int value: '1.5'"),
+    (["benchmarks/decode.py", "--new", "0"], "--new must be an integer >= 1, got 0"),
+    (["benchmarks/decode.py", "--new", "100001"], "--new must be at most 100000, got 100001"),
+    (["benchmarks/hf_generate.py", "{tmp}", "--max-new-tokens", "1000001"],
+     "--max-new-tokens must be at most 1000000, got 1000001"),
+    (["benchmarks/decode.py", "--code", "{tmp}/missing"],
+     "--code {tmp}/missing is not a checkout of this project: it does not exist"),
+    (["benchmarks/decode.py", "--before", "{tmp}"],
+     "--before {tmp} is not a checkout of this project: it has no model/__init__.py"),
+    (["benchmarks/decode.py", "--ckpt", "{tmp}/missing"], "--ckpt: checkpoint not found"),
+    (["benchmarks/train_cpu.py", "--nanogpt", "{tmp}"], "is not a nanoGPT checkout"),
+    (["benchmarks/gpu.py", "--smoke", "--against", "1.4", "-3"], "--against VAL SECONDS: nanoGPT's best val"),
+    (["benchmarks/gpu.py", "--smoke", "--out", "{file}"], "--out {file} is a file: give a folder"),
 ]
 
 
@@ -79,6 +105,17 @@ def test_bad_input_is_one_line_naming_what_to_fix(args, message, tmp_path):
         args.append(f"hydra.run.dir={tmp_path / 'run'}")
     message = message.format(tmp=tmp_path, file=tmp_path / "file")
     assert_one_line_error(run_in_process(*args, cwd=tmp_path, env={"HOME": str(home)}), message)
+
+
+def test_the_decode_benchmark_checks_its_checkpoint_before_any_section(tiny_ckpt, tmp_path):
+    """Its sections take seconds to minutes each: the checkpoint the later ones need (the latest run in
+    outputs/ without --ckpt, and one transformers' Llama takes) is refused before the first prints."""
+    for args, message in ((["--sections", "char", "main"], "--ckpt is not set and outputs/ holds no run"),
+                          (["--ckpt", str(tiny_ckpt), "--sections", "char", "main"],
+                           "a Llama needs model.pos_emb=rope")):
+        result = run_in_process("benchmarks/decode.py", *args, cwd=tmp_path)
+        assert_one_line_error(result, message)
+        assert result.stdout == ""  # no section ran
 
 
 # Options a run once took and then failed on, after .hydra/ and .lock were written or after the
@@ -210,6 +247,14 @@ def test_naming_keeps_the_torchrun_message_readable():
         check_processes(torch.device("cuda"), 2, 1)
     assert "which has 1 CUDA device: one process per GPU" in str(info.value)
     assert str(info.value).endswith("so --nproc_per_node=1 at most (or train.device=cpu)")
+
+
+def test_naming_leaves_an_error_not_about_its_option_as_raised():
+    """train.py names its whole run's errors (hydra.run.dir); one that is not the run dir's keeps its
+    traceback, so a ValueError of torch's own is still a bug, not dressed up as the user's."""
+    with pytest.raises(ValueError) as info, naming("hydra.run.dir", "run_dir"):
+        torch.optim.SGD([], lr=0.1)  # torch: "optimizer got an empty parameter list"
+    assert raised_inside_torch(info.value)
 
 
 @pytest.mark.parametrize("fields, message", [

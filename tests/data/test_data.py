@@ -13,7 +13,15 @@ import torch
 from data.batches import Batches
 from data.prepare import TINYSHAKESPEARE_PATH, DataConfig, corpus_files, load_prepared, prepare
 from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
-from tests.helpers import MULTI_BYTE, assert_one_line_error, data_config, finish, run_in_process, start_cli
+from tests.helpers import (
+    MULTI_BYTE,
+    assert_one_line_error,
+    data_config,
+    disk_full_after,
+    finish,
+    run_in_process,
+    start_cli,
+)
 
 
 def test_char_split_matches_nanogpt(char_data):
@@ -73,6 +81,20 @@ def test_char_oov_error_names_the_characters():
     tok = CharTokenizer.from_text("abc ")
     with pytest.raises(ValueError, match=r"'z', 'é'"):
         tok.encode("a zé")
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_an_id_outside_the_vocabulary_is_refused_not_read_from_the_end(kind):
+    """-1 is not the last character (a list's index), nor vocab_size tiktoken's KeyError or 2**64
+    its OverflowError: each is a ValueError naming the id, in decode and token_bytes alike."""
+    tok = CharTokenizer.from_text("abc") if kind == "char" else BPETokenizer()
+    last = tok.vocab_size - 1
+    assert tok.decode([0, last]) == tok.decode(np.array([0, last])) == tok.decode(torch.tensor([0, last]))
+    for ids in ([-1], [tok.vocab_size], [0, 2**64], [1.0]):
+        with pytest.raises(ValueError, match=rf"token ids must be (in 0\.\.{last}|integers)"):
+            tok.decode(ids)
+        with pytest.raises(ValueError, match="token ids must be"):
+            tok.token_bytes(ids[-1])
 
 
 def test_reprepare_identical_inputs_does_no_work(char_data):
@@ -179,6 +201,24 @@ def test_a_binary_or_non_utf8_corpus_names_the_file_and_offset(tmp_path, content
     assert not (tmp_path / "c").exists()
 
 
+@pytest.mark.parametrize("limit", [40_000, 140_000], ids=["in datasets' cache", "in train.npy"])
+def test_a_full_disk_names_the_cache_and_leaves_the_prepared_folders_as_they_were(tmp_path, limit):
+    """Writes fail past `limit` bytes, part-way through datasets' copy of the 100 kB corpus (in
+    data.cache_dir/hf) or through its 180 kB train.npy: one line naming data.cache_dir, the folder
+    prepared before as it was, and neither a new prepared folder nor a temp one."""
+    cache = tmp_path / "cache"
+    (tmp_path / "a.txt").write_text("an earlier corpus\n" * 50)
+    options = ("data=text_files", f"data.cache_dir={cache}")
+    earlier = prepare(data_config(*options, f"data.path={tmp_path}/a.txt"))
+    files = {p: p.read_bytes() for p in earlier.iterdir()}
+    (tmp_path / "b.txt").write_text("the quick brown fox\n" * 5000)
+    with disk_full_after(limit):
+        result = run_prepare(*options, f"data.path={tmp_path}/b.txt")
+    assert_one_line_error(result, f"error: data.cache_dir: cannot write to {cache} (")
+    assert {p: p.read_bytes() for p in earlier.iterdir()} == files
+    assert sorted(p.name for p in cache.iterdir()) == sorted([earlier.name, "hf"])
+
+
 def test_missing_corpus_file_names_data_path(tmp_path):
     assert_one_line_error(run_prepare(f"data.path={tmp_path}/nope.txt"), "data.path: no such file")
 
@@ -249,6 +289,7 @@ def test_a_prepared_folder_is_checked_against_its_meta_and_healed_without_one(tm
     good = json.loads((prepared / "meta.json").read_text())
     for edit, message in [([1, 2], "meta.json holds a list, not an object"),
                           (good | {"vocab_size": 3}, "meta.json's vocab_size 3 is not its tokenizer's 8"),
+                          (good | {"vocab_size": 8.0}, "meta.json's vocab_size 8.0 is not its tokenizer's 8"),
                           (good | {"vocab": good["vocab"][:3], "vocab_size": 3},
                            "train.npy holds token id 7, past the vocabulary (3)"),
                           (good | {"tokenizer": None}, "names no tokenizer"),

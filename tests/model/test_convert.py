@@ -80,7 +80,9 @@ def test_convert_command_then_uptrain_ends_near_the_parent(tiny_run, tmp_path):
 def test_convert_command_errors_are_one_line(tiny_ckpt, tmp_path):
     convert = lambda n_kv_head, out: run_in_process("-m", "cli.convert", str(tiny_ckpt), "--n-kv-head",
                                                     n_kv_head, "--out", str(out))
-    assert_one_line_error(convert("3", tmp_path / "a.pt"), "n_kv_head")
+    # Named as typed: the option, not mean_pool_kv's argument or GPTConfig's field.
+    assert_one_line_error(convert("3", tmp_path / "a.pt"), "error: --n-kv-head=3 must divide the checkpoint")
+    assert_one_line_error(convert("0", tmp_path / "a.pt"), "error: --n-kv-head must be an integer >= 1")
     (tmp_path / "folder.pt").mkdir()
     result = convert("2", tmp_path / "folder.pt")
     assert_one_line_error(result, f"--out {tmp_path / 'folder.pt'} already exists (nothing is overwritten)")

@@ -546,6 +546,22 @@ def test_a_sink_model_generates_ten_times_past_block_size_at_constant_cache_byte
     assert runs[0].shape == (1, 245) and torch.equal(*runs)
 
 
+@pytest.mark.parametrize("kind", ["window, sinks", "gqa window, sinks, sink logit"])
+def test_a_prompt_past_block_size_goes_into_a_ring_a_block_at_a_time(kind):
+    """A sink model's next token depends on its whole prompt, however long. In one pass its
+    attention would be T x (T + slots), a sink logit's bias so per head: ~26,000 characters took 23
+    GB. It is prefilled block_size (24) tokens a pass, the tokens those of one pass (chunks are exact)
+    and of the uncached reference."""
+    model = cache_kind_model(ENDLESS[kind])
+    prompt = torch.randint(0, 37, (1, 5 * 24 + 7), generator=torch.Generator().manual_seed(0))
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(args[0].size(1)))
+    tokens = generate(model, prompt, 6, temperature=0)
+    assert passes == [24] * 5 + [7] + [1] * 5  # the prompt, then the one-token steps
+    for other in ({"prefill_chunk": 200}, {"prefill_chunk": 5}, {"kv_cache": False}):
+        assert torch.equal(generate(model, prompt, 6, temperature=0, **other), tokens), other
+
+
 def test_a_prefill_chunk_is_checked_once():
     with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
         generate(tiny_model(), torch.zeros(1, 3, dtype=torch.long), 2, prefill_chunk=0)

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from model.generation import DecodeRecorder, Sampling, stream, weights_to_record
+from model.generation import DecodeRecorder, Sampling, left_pad, stream, weights_to_record
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_model
 
 # Every attention option with RoPE, and full attention with learned positions; a prompt of 30 tokens
@@ -19,10 +19,12 @@ CACHES = {"float32": dict(kv_cache=True), "int8": dict(kv_cache=True, kv_dtype="
           "no cache": dict(kv_cache=False), "chunks of 4": dict(kv_cache=True, prefill_chunk=4)}
 
 
-def recorded(model, prompt, **kw):
-    """(the tokens a greedy decode yields as the recorder watches it, its record)."""
+def recorded(model, prompt, *others, **kw):
+    """(the tokens a greedy decode yields as the recorder watches it, its record): of `prompt`, the
+    batch's first row, with `others` after it, all left-padded to the longest."""
+    idx, pad = left_pad([prompt, *others], "cpu")
     with DecodeRecorder(model, prompt) as recorder:
-        steps = recorder.watch(stream(model, torch.tensor([prompt]), Sampling(NEW, 0), **kw))
+        steps = recorder.watch(stream(model, idx, Sampling(NEW, 0), pad=pad, **kw))
         tokens = [int(t[0]) for t in steps]
     return tokens, recorder.record()
 
@@ -71,6 +73,27 @@ def check_layout(step, s, n, record, config):
         assert step["refill"] == config.block_size // 2 - 1 and step["offset"] == n - config.block_size // 2
 
 
+def check_weights(model, record, kind):
+    """Each step's weights, slot by slot, are the naive backend's over the context its first row
+    has alone (from the token at position 0), uncached; a slot holds a token of that context or
+    none (-1: empty, or padding of the batch), and a slot holding none has no weight."""
+    tolerance = 3e-2 if kind == "int8" else 1e-6  # int8: the weights over K rounded to 8 bits
+    for s, step in enumerate(record["steps"]):
+        n = record["prompt_len"] + s  # tokens fed when this step's forward ran
+        reference = naive_weights(model, tuple(record["tokens"][step["offset"]:n]))
+        for layer, weights in enumerate(step["weights"]):
+            group = step["groups"][record["model"]["layer_group"][layer] if record["cache"] else 0]
+            assert all(q == -1 or step["offset"] <= q < n for q in group["seq"]), (kind, s, group["seq"])
+            seq = torch.tensor(group["seq"])
+            page = torch.tensor(weights, dtype=torch.float64)                       # (n_head, used)
+            held = seq >= 0
+            ref = reference[layer].double()[:, seq[held] - step["offset"]]         # (n_head, held)
+            torch.testing.assert_close(page[:, held], ref, atol=tolerance, rtol=0, msg=f"{kind} {s}")
+            assert (page[:, ~held] == 0).all()
+            torch.testing.assert_close(page.sum(-1), reference[layer].double().sum(-1),
+                                       atol=tolerance + 1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_the_record_is_the_decodes_own(name):
     model = MODELS[name]()
@@ -82,27 +105,34 @@ def test_the_record_is_the_decodes_own(name):
         plain = [int(t[0]) for t in stream(model, torch.tensor([prompt]), Sampling(NEW, 0), **kw)]
         assert tokens == plain and record["tokens"] == prompt + tokens, kind
         assert len(record["steps"]) == NEW and [s["token"] for s in record["steps"]] == tokens
-        tolerance = 3e-2 if kind == "int8" else 1e-6  # int8: the weights over K rounded to 8 bits
         for s, step in enumerate(record["steps"]):
-            n = PROMPT + s  # tokens fed when this step's forward ran
-            check_layout(step, s, n, record, model.config)
-            reference = naive_weights(model, tuple(record["tokens"][step["offset"]:n]))
-            for layer, weights in enumerate(step["weights"]):
-                group = step["groups"][record["model"]["layer_group"][layer] if record["cache"] else 0]
-                seq = torch.tensor(group["seq"])
-                page = torch.tensor(weights, dtype=torch.float64)                       # (n_head, used)
-                held = seq >= 0
-                ref = reference[layer].double()[:, seq[held] - step["offset"]]         # (n_head, held)
-                torch.testing.assert_close(page[:, held], ref, atol=tolerance, rtol=0, msg=f"{kind} {s}")
-                assert (page[:, ~held] == 0).all()
-                torch.testing.assert_close(page.sum(-1), reference[layer].double().sum(-1),
-                                           atol=tolerance + 1e-5, rtol=0)
+            check_layout(step, s, PROMPT + s, record, model.config)
+        check_weights(model, record, kind)
         if kind == "int8":  # K and V (inside K for MLA) of what each step wrote, a little off
             errors = torch.tensor([[e for e in group if e is not None] for s in record["steps"]
                                    for group in s["errors"]])
             assert ((errors > 0) & (errors < 0.02)).all()
         else:
             assert all(s["errors"] is None for s in record["steps"])
+
+
+@pytest.mark.parametrize("name", ["learned positions", "window, sinks", "local/global, sinks, sink logit"])
+def test_a_batchs_first_row_is_recorded_as_it_would_be_alone(name):
+    # Left-padded first (its pad slots hold no token), or the longer row beside a padded one (a
+    # refill pads it: the other row keeps more).
+    model = MODELS[name]()
+    torch.manual_seed(4)
+    long = torch.randint(0, 37, (PROMPT,)).tolist()
+    short = long[:10] + torch.randint(0, 37, (4,)).tolist()
+    for kind in ("float32", "no cache", "chunks of 4"):  # (int8 lays its slots out as float32 does)
+        kw = CACHES[kind] | dict(share_prefix=False)
+        for prompt, other in ((short, long), (long, short)):
+            tokens, record = recorded(model, prompt, other, **kw)
+            assert record["tokens"] == prompt + tokens and len(tokens) == NEW, kind
+            check_weights(model, record, kind)
+    # Their shared first 10 tokens, computed once in a cache of their own: not the stream's to record.
+    with pytest.raises(ValueError, match="rows share a prompt prefix.*share_prefix=False"):
+        recorded(model, short, long[:20])
 
 
 def test_the_recorder_leaves_the_model_as_it_was():
