@@ -27,7 +27,6 @@ from tests.helpers import ATTENTION, BOUNDED, ENDLESS, VARIANTS, cache_kind_mode
 from training.evaluation import split_loss
 
 FILLS = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1}}
-PREFILL = FILLS | {"prefix not shared": {"share_prefix": False}}
 
 
 def prompts_sharing_a_prefix(lengths=(4, 11, 17), shared=3):
@@ -476,10 +475,11 @@ def test_split_loss_checks_its_arguments_and_batches_as_asked():
             split_loss(model, **({"tokens": tokens} | bad))
 
 
-@pytest.mark.parametrize("prefill", PREFILL.values(), ids=PREFILL.keys())
+@pytest.mark.parametrize("prefill", FILLS.values(), ids=FILLS.keys())
 @pytest.mark.parametrize("kind", [*ENDLESS, *BOUNDED])
 def test_every_cache_kind_and_prefill_gives_the_uncached_tokens(kind, prefill):
-    """Batched prompts of three lengths sharing a prefix, each way of filling the cache: the tokens
+    """Batched prompts of three lengths sharing a prefix (computed once; each row prefilling its own
+    is held to the row alone below), each way of filling the cache: the tokens
     the uncached reference gives, sampled (one generator per row), drawn from its logits (to float32
     rounding: so greedy decoding, which reads only the logits, gives its tokens too), 2x past
     block_size (24) where the design generates past it (every ring wraps twice or more)."""
