@@ -223,7 +223,7 @@ def decode_step_kernels(model: GPT, batch: int) -> list[str]:
     cache.advance(cache.max_len // 2)
     token, pad = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long,
                                                                                        device=device)
-    priority = sdpa_kernel(decode_backends(device, step=True), set_priority=True)
+    priority = sdpa_kernel(decode_backends(device), set_priority=True)
     with torch.no_grad(), SDPACalls() as calls, priority:
         model.logits_at(token, torch.tensor([cache.length], device=device), cache, pad)
     return calls.kernels
@@ -551,7 +551,7 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
                                                                                        device=device)
 
     def one_step():
-        with torch.no_grad(), sdpa_kernel(decode_backends(device, step=True), set_priority=True):
+        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True):
             return model.logits_at(token, input_pos, cache, pad)
 
     step = one_step

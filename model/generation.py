@@ -347,18 +347,18 @@ def make_room(model, tokens, cache, pad, chunk=None):
     return new_pad
 
 
-def decode_backends(device: torch.device, step: bool = False) -> list[SDPBackend]:
-    """The SDPA kernels a decode may use, in the order the compiled step prefers them: never cuDNN's
-    attention, which builds an execution plan per exact shape (~50 ms each on an H200), where an
-    eager decode's key length grows by one a token (`stream` runs every eager pass under
-    `CudnnAttentionOff`). Flash takes a call without a mask (a prompt, one query over a plain
-    cache), memory-efficient attention one with a mask (the compiled step's unwritten slots,
-    padding, a ring), at any head width that is a multiple of 8 (MLA's 288 too); `attend` folds
-    GQA's query heads so that none needs enable_gqa. A compiled `step` on a CPU uses SDPA's math
-    formulation: one query against the cache is faster so (inductor fuses it) than through the
-    CPU's flash kernel."""
-    if step and device.type == "cpu":
-        return [SDPBackend.MATH]
+def decode_backends(device: torch.device) -> list[SDPBackend]:
+    """The SDPA kernels a decode may use, in the order it prefers them: never cuDNN's attention,
+    which builds an execution plan per exact shape (~50 ms each on an H200), where an eager decode's
+    key length grows by one a token (`stream` runs every eager pass under `CudnnAttentionOff`).
+    Flash takes a call without a mask (a prompt, one query over a plain cache) and, on a CPU, one
+    with a mask too; on CUDA memory-efficient attention takes a masked call (the static step's
+    unwritten slots, padding, a ring), at any head width that is a multiple of 8 (MLA's 288 too);
+    `attend` folds GQA's query heads so that none needs enable_gqa. The CPU's compiled step runs
+    flash too, not SDPA's math formulation: compiled, math's one-query product becomes a loop over
+    the keys into which inductor inlines whatever made the query (RoPE's pow and cos), recomputed
+    for every key (at batch 64 over 1,024 positions of a RoPE model, 860 tokens/s against flash's
+    2,925 and the eager step's 2,511; benchmarks/RESULTS.md)."""
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -381,10 +381,14 @@ STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")
 class CompiledDecodeStep:
     """The one-token step built once for a model, with one static KV cache (block_size slots per
     layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
-    `stream` given this step reuses. Nothing the step reads changes shape or address: the cache, the
-    token, the pad and the position are tensors allocated here and written in place (`stream` fills
-    the rows a smaller batch leaves free; their outputs are dropped). So every prompt length, number
-    of new tokens and batch up to batch_size runs one graph. `backend` says how it is built:
+    `stream` given this step reuses. The cache, the token, the pad and the position are tensors
+    allocated here and written in place (`stream` fills the rows a smaller batch leaves free; their
+    outputs are dropped), so every prompt length, number of new tokens and batch up to batch_size
+    runs one graph. On CUDA nothing the step reads changes shape (a CUDA graph replays fixed
+    shapes): it reads every slot of the cache, unwritten ones masked. On a CPU it reads the slots
+    written so far, as the eager step does, in a graph compiled once for any number of them (one
+    dynamic dimension). Reading every slot, a compiled step of 100 new tokens a row at batch 64 in a
+    block of 1,024 ran 967 tokens/s, now 24,604 (the eager step: 15,558). `backend` says how:
 
         cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
                     generated, captured in well under a second; `generate.py`'s default on CUDA
@@ -408,12 +412,16 @@ class CompiledDecodeStep:
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
-        self.backend, backends = backend, decode_backends(device, step=True)
+        self.backend, backends = backend, decode_backends(device)
         self.inputs = (self.token, self.input_pos, self.cache, self.pad)
+        # On a CPU, a cache that is not one ring is read up to its last written slot: the step
+        # takes slots[:n], whose size n is its one dynamic dimension. (A ring reads every slot.)
+        reads_written = device.type != "cuda" and not self.cache.ring
+        self.slots = torch.empty(self.cache.max_len, device=device) if reads_written else None
 
-        def logits_at(token, input_pos, cache, pad):
+        def logits_at(token, input_pos, cache, pad, slots=None):
             with sdpa_kernel(backends, set_priority=True):
-                return model.logits_at(token, input_pos, cache, pad)
+                return model.logits_at(token, input_pos, cache, pad, None if slots is None else slots.size(0))
 
         with warnings.catch_warnings(), torch.inference_mode():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
@@ -422,8 +430,13 @@ class CompiledDecodeStep:
                 self.run = self.captured(logits_at)
             else:
                 self.run = self.compiled(logits_at, backend)
-                self(self.token, self.cache)  # compiled now, not at a sample's first token
-                self.cache.reset()
+                # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
+                # be compiled as constants), then the whole cache's step (whatever it compiles, e.g.
+                # an int8 cache's kernel).
+                for written in (min(1, self.cache.max_len - 1), self.cache.max_len - 1):
+                    self.cache.advance(written)
+                    self(self.token, self.cache)
+                    self.cache.reset()
 
     def compiled(self, logits_at, backend: str):
         """logits_at compiled by torch.compile's `backend` (on CUDA with inductor, as CUDA graphs)."""
@@ -436,12 +449,25 @@ class CompiledDecodeStep:
         logits_at.__code__ = logits_at.__code__.replace()
         on_cuda = self.token.device.type == "cuda"
         mode = "reduce-overhead" if on_cuda and backend == "inductor" else None
-        step = torch.compile(logits_at, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+        # dynamic=None: a size that changes is compiled as a dynamic one (only `slots`' can), also in
+        # a recompile for another reason (a tensor's dispatch keys, in and out of inference mode)
+        step = torch.compile(logits_at, backend=backend, mode=mode, dynamic=None if self.slots is not None
+                             else False, fullgraph=True)
+        compiled = False
 
-        def run():
+        def run(reads: int):
+            nonlocal compiled
             if on_cuda:
                 torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been read
-            return step(*self.inputs)
+            if self.slots is None:
+                return step(*self.inputs)
+            slots = self.slots[:reads]                                     # (reads,)
+            if reads == self.cache.max_len:  # the whole cache: laid out as no part of it is, so a
+                return logits_at(*self.inputs, slots)  # graph of its own; once a fill, run eagerly
+            if not compiled:  # the first call compiles the graph for every number in 2 .. max_len - 1
+                torch._dynamo.mark_dynamic(slots, 0)
+                compiled = True
+            return step(*self.inputs, slots)
 
         return run
 
@@ -460,7 +486,7 @@ class CompiledDecodeStep:
             logits = logits_at(*self.inputs)                             # (batch_size, 1, vocab)
         self.graph = graph  # (kept alive with its memory pool)
 
-        def run():
+        def run(reads: int):
             graph.replay()
             return logits
 
@@ -473,7 +499,7 @@ class CompiledDecodeStep:
         self.token[:B] = token
         self.pad[:B] = 0 if pad is None else pad
         self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
-        logits = self.run()                                              # (batch_size, 1, vocab)
+        logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
         cache.advance(1)
         return logits[:B, -1]
 

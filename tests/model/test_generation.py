@@ -209,9 +209,11 @@ def test_sampling_options_name_themselves(option, value, message):
 
 def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
-    of new tokens, past block_size (32) too: one graph, never recompiled; the cache's buffers
-    are the same ones throughout; the tokens are the eager step's, greedy and seeded. A second
-    step (a window model's int8 ring) is a second graph, not a recompile. Both are traced by dynamo
+    of new tokens, past block_size (32) too: one graph, never recompiled, though on a CPU it reads
+    the slots written so far (their number its dynamic size; the whole cache's step eager); the
+    cache's buffers are the same ones throughout; the tokens are the eager step's, greedy and
+    seeded. A second step (a window model's int8 ring, which reads every slot: static shapes) is a
+    second graph, not a recompile. Both are traced by dynamo
     and AOTAutograd with no code generated (aot_eager: guards, recompiles and static buffers are
     dynamo's either way); inductor's code for the step, float32 and over an int8 cache, is
     test_quantize's, each compile there costing seconds."""
@@ -238,6 +240,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
         # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8, backend="aot_eager")
+        assert step.slots.shape == (model.config.block_size,) and other.slots is None
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
@@ -260,14 +263,13 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
 
 def test_the_decode_backends_never_hold_cudnn():
     """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable). cuDNN, which
-    builds a plan per exact shape, is never one; math is the last resort; a compiled step on a CPU
-    uses math alone."""
+    builds a plan per exact shape, is never one; flash comes first (on a CPU, the compiled step's
+    masked call too), math is the last resort."""
     for device in ("cpu", "cuda"):
         backends = decode_backends(torch.device(device))
         assert backends and all(isinstance(b, SDPBackend) for b in backends)
         assert SDPBackend.CUDNN_ATTENTION not in backends and backends[-1] == SDPBackend.MATH
-    assert decode_backends(torch.device("cpu"), step=True) == [SDPBackend.MATH]
-    assert decode_backends(torch.device("cuda"), step=True) == decode_backends(torch.device("cuda"))
+        assert backends[0] == SDPBackend.FLASH_ATTENTION
 
 
 class SDPACudnnFlags(SDPACalls):
@@ -327,7 +329,7 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
         model(torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)), kv_cache=cache)
         for _ in range(15):
             input_pos, same_cache = torch.tensor([cache.length]), copy.deepcopy(cache)
-            with sdpa_kernel(decode_backends(torch.device("cpu"), step=True), set_priority=True):
+            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True):
                 logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
             reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
             torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
