@@ -12,30 +12,36 @@ very same weights, batch 1, for two models, and the val loss each decode precisi
 Each row samples `--new` tokens as `python generate.py` does (temperature 0.8, top_k 200):
 "sample s" is one whole sample timed from a freshly loaded model, so it includes every warm-up
 a user waits for (compilation too); "tokens/s" is the steady speed of a repeat. "default" is
-generate.py with no speed flags (dtype=auto quantize=auto), "fastest" adds compile=true.
+generate.py with no speed flags (dtype=auto quantize=auto); then with compile=true; "fastest flags"
+are the README's, compile=true quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
 
 3. Compile paid once (`--sections compile`): `python generate.py ckpt=<the main job> compile=true
    benchmark=true` run twice, each a fresh process, over one empty inductor cache: the first
    compiles, the second finds the compiled code on disk. Each prints its warm-up's extra time.
-4. Thread counts (`--sections threads`): the default sample of both models at 1 and 2 threads,
+4. generate.py's flags (`--sections flags [--before <checkout>]`): decode tokens/s after the warm-up
+   with no flags, `compile=true`, and `compile=true quantize=int8 dtype=bfloat16`, on the char
+   model's shape, the main job's (block 64, so it refills), the main job's at block 1024 (batch 1
+   and 64); random weights, each a fresh process, interleaved rounds, medians; with --before, the
+   same from another checkout side by side: the guard that shows a decode regression in one run.
+5. Thread counts (`--sections threads`): the default sample of both models at 1 and 2 threads,
    side by side, with the aten operations one decoded token costs (counted under a dispatch mode).
-5. The KV cache's precision (`--sections kv [--before <checkout>]`): cached one-token steps of the
+6. The KV cache's precision (`--sections kv [--before <checkout>]`): cached one-token steps of the
    main job's and the char model's shapes at 1024 positions, batch 1 and 64, with the cache in
    float32, bfloat16 and int8 (float32 weights), each a fresh process, round after round, medians;
    with --before, the same from another checkout side by side (before and after a change).
-6. A long prompt (`--sections long`): 30,000 tokens and 5 new ones on the CPU main job's shape
+7. A long prompt (`--sections long`): 30,000 tokens and 5 new ones on the CPU main job's shape
    (4/4/128, RoPE, block 64), with full attention (which crops the prompt to the block) and with a
    window of 16 (which runs its receptive field, 4 x 15 + 1 tokens), cached and uncached: seconds
    and peak memory, each in a fresh process.
-7. The step by attention variant (`--sections variants`): MHA, GQA (4 K/V heads), MQA and MLA at
+8. The step by attention variant (`--sections variants`): MHA, GQA (4 K/V heads), MQA and MLA at
    GPT-2 small width (12/12/768, RoPE), 1024 cached positions, batch 1 and 16: the eager step
    (reads the written slots, no mask) and the compiled step's formulation (every slot under a mask,
-   SDPA's math kernel, as the CPU's compiled step runs it; here eagerly), tokens/s. Each variant in
-   a fresh process that imports the model from `--code` (default: this checkout), so the same
+   through the kernels the compiled step allows, `decode_backends`; here eagerly), tokens/s. Each
+   variant in a fresh process that imports the model from `--code` (default: this checkout), so the same
    script measures two checkouts side by side (before and after a change).
-8. Many samples of one prompt (`--sections samples`): num_samples=8 rows of one 200-token prompt,
+9. Many samples of one prompt (`--sections samples`): num_samples=8 rows of one 200-token prompt,
    50 new tokens each, on the char model's shape (block 256), every row prefilled (before) and the
    prompt prefilled once and copied into the rows (after), interleaved rounds, medians: time to the
    first token and decode tokens/s.
@@ -77,7 +83,8 @@ PRECISIONS = {  # name: (dtype, quantize, compile)
     "bf16": ("bfloat16", None, False),
     "int8 weights + bf16": ("bfloat16", "int8", False),
     "default (no flags)": ("auto", "auto", False),
-    "fastest: default + compile=true": ("auto", "auto", True),
+    "default + compile=true": ("auto", "auto", True),
+    "fastest flags: compile=true quantize=int8 dtype=bfloat16": ("bfloat16", "int8", True),
 }
 
 
@@ -118,8 +125,9 @@ def compare(title: str, hf, load, new: int) -> None:
     print(f"| transformers generate (fp32, KV cache) | {hf_first:.2f} | {new / hf_s:,.0f} | 1.00x / 1.00x |")
     for name, (dtype, quantize, compiled) in PRECISIONS.items():
         model = load(dtype, quantize)
-        step = CompiledDecodeStep(model) if compiled else None
-        first = sample_seconds(model, prompt, new, step)
+        t0 = time.perf_counter()
+        step = CompiledDecodeStep(model) if compiled else None  # (compiled when made: timed with the sample)
+        first = time.perf_counter() - t0 + sample_seconds(model, prompt, new, step)
         again = sample_seconds(model, prompt, new, step)
         print(f"| ours, {name} | {first:.2f} | {new / again:,.0f} | "
               f"{hf_first / first:.2f}x / {hf_s / again:.2f}x |")
@@ -163,9 +171,9 @@ def main_job(ckpt: str, new: int) -> None:
     print(f"\n### Val loss of {ckpt} over its whole val split ({len(val):,} tokens) in each precision\n")
     print("| precision | val loss | vs fp32 |\n| --- | --- | --- |")
     exact = None
-    for name, (dtype, quantize, _) in PRECISIONS.items():
-        if name.startswith("fastest"):
-            continue  # compiling changes no weights: the same model as the default
+    for name, (dtype, quantize, compiled) in PRECISIONS.items():
+        if compiled:
+            continue  # compiling changes no weights: the same model as one without
         loss = split_loss(load_model(ckpt, "cpu", Precision(dtype, quantize))[0], val)
         exact = loss if exact is None else exact
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
@@ -261,6 +269,53 @@ def cache_precisions(codes: dict, context: int = 1024, batches=(1, 64), rounds: 
                 print(f"| {shape_name} | {batch} | {dtype} | " + " | ".join(cells) + " |")
 
 
+FLAG_STEPS = """import statistics, sys, torch
+sys.path.insert(0, {code!r})
+from model import GPT, GPTConfig
+from model.device import Precision
+from model.generation import CompiledDecodeStep, for_decoding, timed_stream
+torch.manual_seed(0)
+model = for_decoding(GPT(GPTConfig(vocab_size=65, **{shape!r})), "cpu", Precision({dtype!r}, {quantize!r}))
+step = CompiledDecodeStep(model, {batch}) if {compiled} else None
+idx = torch.zeros({batch}, 1, dtype=torch.long)
+timed_stream(model, idx, {new}, True, step)  # warm-up
+seconds = [timed_stream(model, idx, {new}, True, step)[1] for _ in range(3)]
+print({batch} * ({new} - 1) / statistics.median(seconds))"""
+FLAG_SETS = {"no flags": ("auto", "auto", False), "compile=true": ("auto", "auto", True),
+             "compile=true quantize=int8 dtype=bfloat16": ("bfloat16", "int8", True)}
+MAIN_SHAPE = KV_SHAPES["the main job's 4/4/128"]
+FLAG_ROWS = {  # name: (model shape, batch, new tokens per row)
+    "char 6/6/384, block 256": (dict(KV_SHAPES["the char model's 6/6/384"], block_size=256), 1, 250),
+    "main job 4/4/128 RoPE, block 64 (refills)": (dict(MAIN_SHAPE, block_size=64), 1, 250),
+    "main job's model, block 1024": (dict(MAIN_SHAPE, block_size=1024), 1, 1000),
+    "main job's model, block 1024, batch 64": (dict(MAIN_SHAPE, block_size=1024), 64, 100)}
+
+
+def flag_sets(codes: dict, rounds: int = 3) -> None:
+    """generate.py's three speed settings (no flags, compile=true, and the fastest flags), decode
+    tokens/s of a greedy sample after its warm-up (median of 3 in a process), random weights, each
+    row a fresh process per checkout of `codes` ({name: checkout}), interleaved rounds, medians."""
+    print(f"\n### Decode by generate.py's flags: tokens/s after the warm-up, {torch.get_num_threads()} "
+          f"threads, median of {rounds} interleaved rounds, each a fresh process; the model from "
+          f"{', '.join(f'{k}: {v}' for k, v in codes.items())}\n")
+    versus = " | after / before" if len(codes) == 2 else ""
+    print("| shape | batch x new tokens | flags | " + " | ".join(codes) + versus + " |\n|"
+          + " --- |" * (3 + len(codes) + bool(versus)))
+    for row, (shape, batch, new) in FLAG_ROWS.items():
+        for flags, (dtype, quantize, compiled) in FLAG_SETS.items():
+            speeds = {code: [] for code in codes}
+            for _ in range(rounds):
+                for code, runs in speeds.items():
+                    script = FLAG_STEPS.format(code=codes[code], shape=shape, dtype=dtype, quantize=quantize,
+                                               compiled=compiled, batch=batch, new=new)
+                    runs.append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
+                                                     capture_output=True, text=True).stdout))
+            median = [sorted(v)[rounds // 2] for v in speeds.values()]
+            ratio = f" | {median[1] / median[0]:.2f}x" if versus else ""
+            print(f"| {row} | {batch} x {new} | {flags} | " + " | ".join(f"{m:,.0f}" for m in median)
+                  + ratio + " |")
+
+
 LONG_PROMPT = """import resource, time, torch
 from model import GPT, GPTConfig, Sampling, generate
 torch.manual_seed(0)
@@ -287,9 +342,9 @@ def long_prompt(length: int = 30_000, new: int = 5) -> None:
 
 VARIANT_STEPS = """import sys, time, torch
 sys.path.insert(0, {code!r})
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 from model import GPT, GPTConfig
-from model.generation import decode_tokens_per_s
+from model.generation import decode_backends, decode_tokens_per_s
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, pos_emb="rope",
                       **{fields!r})).eval()
@@ -301,7 +356,7 @@ for batch in (1, 16):
     token, last = torch.zeros(batch, 1, dtype=torch.long), torch.tensor([1023])
     pad = torch.zeros(batch, dtype=torch.long)
     step = lambda: model.logits_at(token, last, cache, pad)
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
+    with torch.no_grad(), sdpa_kernel(decode_backends(token.device), set_priority=True):
         step(), step()  # warm-up
         t0 = time.perf_counter()
         for _ in range(4):
@@ -348,9 +403,9 @@ def main() -> None:
     # Absolute: each measured process runs in this checkout, whatever folder the command ran in.
     absolute = lambda path: str(Path(path).expanduser().resolve())  # noqa: E731
     p.add_argument("--code", default=str(ROOT), type=absolute,
-                   help="the checkout whose model --sections variants, kv run")
-    p.add_argument("--before", type=absolute, help="--sections kv: also this checkout, side by side")
-    sections = ["char", "main", "compile", "threads", "kv", "long", "variants", "samples"]
+                   help="the checkout whose model --sections flags, kv, variants run")
+    p.add_argument("--before", type=absolute, help="--sections kv, flags: also this checkout, side by side")
+    sections = ["char", "main", "compile", "threads", "flags", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     exit_on_user_error(run, args)
@@ -388,8 +443,11 @@ def run(args) -> None:
         compile_cost(ckpt, args.new)
     if "threads" in args.sections:
         threads(ckpt, args.new)
+    codes = {"before": args.before, "after": args.code} if args.before else {"this": args.code}
+    if "flags" in args.sections:
+        flag_sets(codes)
     if "kv" in args.sections:
-        cache_precisions({"before": args.before, "after": args.code} if args.before else {"this": args.code})
+        cache_precisions(codes)
     if "long" in args.sections:
         long_prompt()
     if "variants" in args.sections:
