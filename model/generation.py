@@ -388,7 +388,7 @@ class CompiledDecodeStep:
     shapes): it reads every slot of the cache, unwritten ones masked. On a CPU it reads the slots
     written so far, as the eager step does, in a graph compiled once for any number of them (one
     dynamic dimension). Reading every slot, a compiled step of 100 new tokens a row at batch 64 in a
-    block of 1,024 ran 967 tokens/s, now 24,604 (the eager step: 15,558). `backend` says how:
+    block of 1,024 ran 900 tokens/s, now 27,557 (the eager step: 12,254). `backend` says how:
 
         cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
                     generated, captured in well under a second; `generate.py`'s default on CUDA
