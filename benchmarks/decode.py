@@ -245,6 +245,17 @@ KV_SHAPES = {"the main job's 4/4/128": dict(n_layer=4, n_head=4, n_embd=128, pos
              "the char model's 6/6/384": dict(n_layer=6, n_head=6, n_embd=384)}
 
 
+def interleaved_medians(scripts: dict, rounds: int) -> dict:
+    """{key: median} of the number each script of `scripts` ({key: python source}) prints, each run
+    in a fresh process, `rounds` times, the scripts one after another within a round."""
+    runs = {key: [] for key in scripts}
+    for _ in range(rounds):
+        for key, script in scripts.items():
+            runs[key].append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
+                                                  capture_output=True, text=True).stdout))
+    return {key: sorted(v)[rounds // 2] for key, v in runs.items()}
+
+
 def cache_precisions(codes: dict, context: int = 1024, batches=(1, 64), rounds: int = 3) -> None:
     """Eager one-token steps at `context` cached positions, float32 weights, each cache dtype, each
     in a fresh process importing the model from each of `codes` ({name: checkout}), interleaved."""
@@ -255,14 +266,9 @@ def cache_precisions(codes: dict, context: int = 1024, batches=(1, 64), rounds: 
           + " |\n|" + " --- |" * (3 + 2 * len(codes)))
     for shape_name, shape in KV_SHAPES.items():
         for batch in batches:
-            speeds = {(code, dtype): [] for code in codes for dtype in KV_DTYPES}
-            for _ in range(rounds):
-                for (code, dtype), runs in speeds.items():
-                    script = KV_STEPS.format(code=codes[code], context=context, shape=shape, batch=batch,
-                                             dtype=dtype)
-                    runs.append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
-                                                     capture_output=True, text=True).stdout))
-            median = {key: sorted(v)[rounds // 2] for key, v in speeds.items()}
+            median = interleaved_medians({(code, dtype): KV_STEPS.format(
+                code=codes[code], context=context, shape=shape, batch=batch, dtype=dtype)
+                for code in codes for dtype in KV_DTYPES}, rounds)
             for dtype in KV_DTYPES:
                 cells = [f"{median[c, dtype]:,.0f} | {median[c, dtype] / median[c, 'float32']:.2f}x"
                          for c in codes]
@@ -303,14 +309,9 @@ def flag_sets(codes: dict, rounds: int = 3) -> None:
           + " --- |" * (3 + len(codes) + bool(versus)))
     for row, (shape, batch, new) in FLAG_ROWS.items():
         for flags, (dtype, quantize, compiled) in FLAG_SETS.items():
-            speeds = {code: [] for code in codes}
-            for _ in range(rounds):
-                for code, runs in speeds.items():
-                    script = FLAG_STEPS.format(code=codes[code], shape=shape, dtype=dtype, quantize=quantize,
-                                               compiled=compiled, batch=batch, new=new)
-                    runs.append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
-                                                     capture_output=True, text=True).stdout))
-            median = [sorted(v)[rounds // 2] for v in speeds.values()]
+            median = list(interleaved_medians({code: FLAG_STEPS.format(
+                code=checkout, shape=shape, dtype=dtype, quantize=quantize, compiled=compiled, batch=batch,
+                new=new) for code, checkout in codes.items()}, rounds).values())
             ratio = f" | {median[1] / median[0]:.2f}x" if versus else ""
             print(f"| {row} | {batch} x {new} | {flags} | " + " | ".join(f"{m:,.0f}" for m in median)
                   + ratio + " |")
