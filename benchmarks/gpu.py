@@ -34,7 +34,7 @@ same code at toy sizes on the CPU, so the script is known to work before a GPU r
 mean nothing.
 """
 
-import dataclasses
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
@@ -62,6 +62,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from model.attention import SplitKV  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
 from model.device import synchronized_clock  # noqa: E402
 from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
@@ -460,8 +461,14 @@ def same_tokens(model, step: CompiledDecodeStep, new: int) -> bool:
 
 def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     """One model shape: whether the paths agree (float32), then each one's batch-1 tokens/s in the
-    decoding dtype, our compiled step's CUDA graphs counted right after its own timing. (A smoke
-    run compiles the step without inductor's code generation: most of its CPU time otherwise.)"""
+    decoding dtype: our compiled step (split-KV attention, the token drawn inside its CUDA graph),
+    the same with SDPA's attention (the step before split-KV), the CUDA-graph step with no compile
+    (generate.py's default on CUDA), the eager step, and transformers' static cache, which its
+    `generate` compiles on CUDA (counted: dynamo's graphs made during its warm-up). Then the compiled
+    step's profile: GPU busy time, kernels and the largest ones per token. (A smoke run compiles the
+    step without inductor's code generation: most of its CPU time otherwise.)"""
+    from torch._dynamo.utils import counters  # (slow to import: only where it is read)
+
     backend = "aot_eager" if smoke else "inductor"
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     hf, ours = decode_models(shape, device)
@@ -471,28 +478,19 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     # near-ties may then break either way), with float32 matmuls, not TF32.
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
-    from torch._dynamo.utils import counters  # (slow to import: only where it is read)
-
-    step = CompiledDecodeStep(ours, backend=backend)
-    identical = same_tokens(ours, step, 20)
+    identical = same_tokens(ours, CompiledDecodeStep(ours, backend=backend), 20)
     torch.set_float32_matmul_precision(precision)
-    if dtype != torch.float32:  # (a smoke run decodes in float32: the step compiled above serves)
-        hf, ours = hf.to(dtype), ours.to(dtype)
-        step = CompiledDecodeStep(ours, backend=backend)
-    skipped = counters["inductor"]["cudagraph_skips"]
-    speed = {"ours, compiled step": lambda: generate(ours, prompt, new, temperature=0, decode_step=step)}
-    tokens_per_s = {k: new / (timed_ms(fn, device, repeat=2) / 1e3) for k, fn in speed.items()}
-    row = {"CUDA graphs skipped (inductor)": counters["inductor"]["cudagraph_skips"] - skipped,
-           "CUDA graphs launched per token": graph_launches_per_token(ours, step)}
-    tokens_per_s["ours, eager step"] = new / (timed_ms(lambda: generate(ours, prompt, new, temperature=0),
-                                                       device, repeat=2) / 1e3)
-    # The same step with the naive backend's attention (matmuls and a softmax, no SDPA kernel): at
-    # batch 1 the memory-efficient kernel runs one thread block per head (the profile section).
-    naive = GPT(dataclasses.replace(ours.config, attn_backend="naive")).to(device, dtype).eval()
-    naive.load_state_dict(ours.state_dict())
-    naive_step = CompiledDecodeStep(naive, backend=backend)
-    tokens_per_s["ours, compiled step, naive attention"] = new / (timed_ms(lambda: generate(
-        naive, prompt, new, temperature=0, decode_step=naive_step), device, repeat=2) / 1e3)
+    hf, ours = hf.to(dtype), ours.to(dtype)
+    steps = {"ours, compiled step": CompiledDecodeStep(ours, backend=backend),
+             "ours, compiled step, SDPA attention": CompiledDecodeStep(ours, backend=backend, split_kv=False)}
+    if device.type == "cuda":
+        steps["ours, CUDA-graph step, no compile"] = CompiledDecodeStep(ours, backend="cuda_graph")
+    steps["ours, eager step"] = None
+    sample = lambda step: generate(ours, prompt, new, temperature=0, decode_step=step)  # noqa: E731
+    tokens_per_s = {name: new / (timed_ms(lambda step=step: sample(step), device, repeat=2) / 1e3)
+                    for name, step in steps.items()}
+    row = {"CUDA graphs launched per token": graph_launches_per_token(ours, steps["ours, compiled step"])}
+    graphs = counters["stats"]["unique_graphs"]
     try:  # transformers' own failure (its version there) is this cell's, not the row's
         tokens_per_s["transformers, static cache"] = new / (timed_ms(lambda: hf.generate(
             prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
@@ -501,9 +499,13 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         ratio = f"transformers failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:200]
+    row["transformers compiled (dynamo graphs)"] = counters["stats"]["unique_graphs"] - graphs
+    step = steps["ours, compiled step"]
+    busy_ms, kernels, top = profiled(lambda: sample(step), None, "", device)
     return {**{f"{k} tok/s": v for k, v in tokens_per_s.items()}, "ours / transformers": ratio,
             "same tokens (compiled, eager, uncached)": identical, **row, "dtype": str(dtype),
-            "new tokens": new, "SDPA (decode step)": kernels_text(decode_step_kernels(ours, 1))}
+            "new tokens": new, "GPU busy ms/token": busy_ms / new, "kernels/token": kernels / new,
+            "largest kernels (us a token)": top_text(top, new)}
 
 
 def decode_section(results: Results, device: torch.device, smoke: bool) -> None:
@@ -530,11 +532,14 @@ def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 10
     return GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)).to(device, dtype).eval()
 
 
-def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> dict:
+def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, split_kv: bool,
+                copy_gbs: float) -> dict:
     """tokens/s and peak memory of the one-token step at the last slot of a full cache (filled
     with random values: a prefill would cost far more than the measurement), which reads every
-    slot as the compiled step does. On CUDA it is captured once as a CUDA graph and replayed
-    (no compile: 16 of them would take minutes); on the CPU it runs eagerly."""
+    slot as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is
+    captured once as a CUDA graph and replayed (no compile of the step: 32 of them would take
+    minutes; split-KV's kernel is compiled, once per shape); on the CPU it runs eagerly. Against the
+    floor: the time its weights and cache take to read once at copy_gbs (a device copy's rate)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     held_before = 0
     if device.type == "cuda":  # the earlier rows' models, caches and graphs freed first: on the first
@@ -549,9 +554,10 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)
     pad, input_pos = torch.zeros(batch, dtype=torch.long, device=device), torch.tensor([cache.max_len - 1],
                                                                                        device=device)
+    split = SplitKV() if split_kv else contextlib.nullcontext()
 
     def one_step():
-        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True):
+        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True), split:
             return model.logits_at(token, input_pos, cache, pad)
 
     step = one_step
@@ -567,37 +573,51 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool) -> 
             one_step()
         step = graph.replay
     steps = 4 if smoke else 32
-    ms = timed_ms(lambda: [step() for _ in range(steps)], device, repeat=2)
+    ms = timed_ms(lambda: [step() for _ in range(steps)], device, repeat=2) / steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
         cache.nbytes + sum(p.nbytes for p in model.parameters())
-    return {"tokens/s": batch * steps / (ms / 1e3), "peak GB": peak / 1e9,
-            "held before GB": held_before / 1e9,
+    floor_ms = (cache.nbytes + sum(p.nbytes for p in model.parameters())) / (copy_gbs * 1e6)
+    _, _, top = profiled(step, None, "", device)
+    return {"tokens/s": batch / (ms / 1e3), "step ms": ms, "floor ms (weights + cache read once)": floor_ms,
+            "x floor": ms / floor_ms, "peak GB": peak / 1e9, "held before GB": held_before / 1e9,
             "KV cache per token": model.config.kv_cache_formula(),
-            "SDPA": kernels_text(decode_step_kernels(model, batch)), "dtype": str(dtype)}
+            "attention": "split-KV (FlexAttention)" if split_kv else
+            kernels_text(decode_step_kernels(model, batch)),
+            "largest kernels (us a step)": top_text(top, 1), "dtype": str(dtype)}
 
 
 def variants_section(results: Results, device: torch.device, smoke: bool) -> None:
+    copy_gbs = ceilings(device, smoke)["copy GB/s"]
     for name, fields in VARIANTS.items():
         for batch in ([1, 4] if smoke else BATCHES):
-            measure(results, "variants", f"{name}, batch {batch}",
-                    lambda name=name, fields=fields, batch=batch: {"variant": name, "batch": batch,
-                                                        **variant_row(fields, batch, device, smoke)})
+            for split_kv in (True, False):
+                label = f"{name}, batch {batch}, {'split-KV' if split_kv else 'SDPA'}"
+                measure(results, "variants", label,
+                        lambda fields=fields, batch=batch, split_kv=split_kv, name=name: {
+                            "variant": name, "batch": batch, **variant_row(fields, batch, device, smoke,
+                                                                           split_kv, copy_gbs)})
     plot_variants([r for r in results.rows("variants") if "tokens/s" in r], results.out / "variants.png")
 
 
 def plot_variants(rows: list[dict], path: Path) -> None:
-    """Tokens/s against peak memory, one line per variant through its batch sizes."""
+    """Tokens/s against peak memory, one line per variant through its batch sizes: split-KV
+    attention solid, SDPA's dashed in the same colour."""
     from training.plots import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(6, 4))
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        mine = [r for r in rows if r["variant"] == name]
-        ax.plot([r["peak GB"] for r in mine], [r["tokens/s"] for r in mine], "o-", label=name)
-        for r in mine:
-            ax.annotate(f"{r['batch']}", (r["peak GB"], r["tokens/s"]), fontsize=7)
+    for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+        for split_kv in (True, False):
+            mine = [r for r in rows
+                    if r["variant"] == name and r["attention"].startswith("split") == split_kv]
+            if not mine:
+                continue
+            ax.plot([r["peak GB"] for r in mine], [r["tokens/s"] for r in mine], "o-" if split_kv else "x--",
+                    color=f"C{i}", label=name if split_kv else f"{name}, SDPA")
+            for r in mine:
+                ax.annotate(f"{r['batch']}", (r["peak GB"], r["tokens/s"]), fontsize=7)
     ax.set(xscale="log", yscale="log", xlabel="peak memory (GB)", ylabel="decode tokens/s",
            title="Decode by batch size (labels), full cache")
-    ax.legend()
+    ax.legend(fontsize=7)
     save_figure(fig, path)
 
 
@@ -615,9 +635,10 @@ def profile_section(results: Results, device: torch.device, smoke: bool) -> None
             results.out, name, decode_shape(shape, smoke), device, smoke))
 
 
-def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, int]:
-    """Runs fn under the profiler; writes its top operations to out/profile_<label>.txt and returns
-    (the kernels' summed device ms, the number of kernels)."""
+def profiled(fn, out: Path | None, label: str, device: torch.device) -> tuple[float, int, dict]:
+    """Runs fn under the profiler; writes its top operations to out/profile_<label>.txt (with an out)
+    and returns (the kernels' summed device ms, the number of kernels, {kernel: its summed device
+    us} for the 4 largest)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -629,9 +650,19 @@ def profiled(fn, out: Path, label: str, device: torch.device) -> tuple[float, in
     first = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     text = (averages.table(sort_by=first, row_limit=25) + "\n\n"
             + averages.table(sort_by="self_cpu_time_total", row_limit=25))
-    write_atomically(out / f"profile_{label}.txt", lambda f: f.write(text.encode()), "profile")
+    if out is not None:
+        write_atomically(out / f"profile_{label}.txt", lambda f: f.write(text.encode()), "profile")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / 1e3, len(kernels)
+    by_name = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time
+    top = dict(sorted(by_name.items(), key=lambda item: -item[1])[:4])
+    return sum(e.device_time for e in kernels) / 1e3, len(kernels), top
+
+
+def top_text(top: dict, per: int) -> str:
+    """profiled's largest kernels as 'name 12.3; ...', their us per call of `per` (a token, a step)."""
+    return "; ".join(f"{name[:60]} {us / per:.1f}" for name, us in top.items()) or "none (CPU)"
 
 
 def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "default") -> dict:
@@ -661,7 +692,7 @@ def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "
 
     n = 2 if smoke else 20
     ms = timed_ms(lambda: steps(n), device, repeat=2) / n
-    gpu_ms, kernels = profiled(lambda: steps(n), out, f"training_{mode.replace('-', '_')}", device)
+    gpu_ms, kernels, _ = profiled(lambda: steps(n), out, f"training_{mode.replace('-', '_')}", device)
     return {"wall ms/step": ms, "GPU busy ms/step": gpu_ms / n, "kernels/step": kernels / n,
             "TFLOP/s": 6 * model.num_params() * batch * config.block_size / ms / 1e9}
 
@@ -677,7 +708,7 @@ def profile_decode(out: Path, name: str, shape: tuple, device: torch.device, smo
     generate_new = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)
     ms = timed_ms(generate_new, device, repeat=2) / new
     label = "decode_" + name.split()[0].lower().replace("-", "")        # decode_char, decode_gpt2
-    gpu_ms, kernels = profiled(generate_new, out, label, device)
+    gpu_ms, kernels, _ = profiled(generate_new, out, label, device)
     return {"wall ms/token": ms, "GPU busy ms/token": gpu_ms / new, "kernels/token": kernels / new,
             "tokens/s": 1e3 / ms}
 
@@ -934,7 +965,7 @@ def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> di
         token.tolist()  # as print_samples reads each step
     t4 = clock()
     sample = lambda: [t.tolist() for t in stream(model, prompt, sampling, decode_step=step)]  # noqa: E731
-    gpu_ms, kernels = profiled(sample, out, "generate_default", device)
+    gpu_ms, kernels, _ = profiled(sample, out, "generate_default", device)
     return {"load s": t1 - t0, "build step s": t2 - t1, "to the first token s": t3 - t2,
             "the rest s": t4 - t3, "tokens/s": (new - 1) / (t4 - t3), "GPU busy ms/token": gpu_ms / new,
             "kernels/token": kernels / new, "wall ms/token": 1e3 * (t4 - t3) / (new - 1)}

@@ -61,6 +61,8 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
         if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
             causal = causal_mask(T, S, q.device, window, sinks)
             mask = causal if mask is None else mask & causal
+        if T == 1 and SplitKV.on and (mask is None or mask.dim() < 4 or mask.size(1) == 1):
+            return attend_split_kv(q, k, v, mask, sink_logit, scale)
         if sink_logit is not None:  # one more key, whose additive mask is the learned logit
             k, v, mask = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
             S += 1
@@ -97,6 +99,72 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     out = dropped.view(B, n_kv_head, n_rep, T, S) @ v.unsqueeze(2)   # (B, n_kv_head, n_rep, T, d_v)
     out = out.view(B, n_head, T, d_v)                                  # (B, n_head, T, d_v)
     return (out, weights) if return_weights else out
+
+
+class SplitKV:
+    """A context in which `attend` gives a one-query call (a decode step) to `attend_split_kv`:
+    CompiledDecodeStep builds its CUDA step inside it. Off elsewhere: an eager step's key length grows
+    every token, and each new length would compile a kernel of its own."""
+
+    on = False
+
+    def __enter__(self):
+        self.was, SplitKV.on = SplitKV.on, True
+
+    def __exit__(self, *exc):
+        SplitKV.on = self.was
+
+
+def attend_split_kv(q, k, v, mask=None, sink_logit=None, scale=None):
+    """`attend` for one query per row by flash-decoding: FlexAttention's decoding kernel splits the
+    S positions across thread blocks, each computes its part's softmax-weighted sum and its
+    log-sum-exp, and a second pass combines them. (SDPA's kernels run one thread block per row and
+    head: at batch 1, 12 blocks on a GPU of 132 multiprocessors, each reading the whole cache.)
+    q (B, n_head, 1, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, 1, d_v).
+    The n_rep query heads of a K/V head are its n_rep queries (the kernel's fast path takes n_rep
+    queries, not n_rep heads of a number other than a power of two); `mask` (bool, True = may
+    attend) is one row per batch row, (S,) broadcasting to it; gpt-oss's `sink_logit` (n_head,)
+    scales each head's output by the share the sink leaves: softmax over S keys and the sink is
+    softmax over the keys times e^lse / (e^lse + e^sink) = sigmoid(lse - sink). Compiled: inside a
+    compiled step, traced into its graph; called eagerly on CUDA, its own compiled kernel per shape
+    (a CPU runs FlexAttention's unfused reference: the tests')."""
+    B, n_head, _, d_k = q.shape
+    n_kv_head, S = k.shape[1], k.shape[2]
+    n_rep = n_head // n_kv_head
+    q = q.reshape(B, n_kv_head, n_rep, d_k)                            # (B, n_kv_head, n_rep, d_k)
+    score_mod = None
+    if mask is not None:
+        allowed = mask.reshape(-1, S).expand(B, S)                     # (B, S)
+        score_mod = lambda score, b, h, q_idx, kv_idx: torch.where(allowed[b, kv_idx], score, -math.inf)  # noqa: E731
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention  # (imports the compiler)
+
+    if q.is_cuda and not torch.compiler.is_compiling():
+        flex = compiled_flex_attention((q.shape, k.shape, v.shape, q.dtype, mask is None, sink_logit is None))
+    else:
+        flex = flex_attention
+    if sink_logit is None:
+        out = flex(q, k, v, score_mod=score_mod, scale=scale)          # (B, n_kv_head, n_rep, d_v)
+    else:
+        out, aux = flex(q, k, v, score_mod=score_mod, scale=scale, return_aux=AuxRequest(lse=True))
+        lse = aux.lse                               # (B, n_kv_head, n_rep): the log of each softmax's sum
+        kept = torch.sigmoid(lse - sink_logit.float().view(n_kv_head, n_rep))
+        out = out * kept.unsqueeze(-1).to(out.dtype)
+    return out.reshape(B, n_head, 1, v.size(-1))                       # (B, n_head, 1, d_v)
+
+
+@functools.cache
+def compiled_flex_attention(shapes: tuple):
+    """FlexAttention compiled for one call's shapes and options (`shapes`, the cache's key), for
+    eager steps on CUDA (a captured CUDA graph replays its kernels): fixed sizes (the decoding kernel
+    needs the batch and heads fixed), each in a code object of its own, so that dynamo's limit of 8
+    graphs per code object never sends a ninth shape back to the unfused reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def flex(*args, **kwargs):
+        return flex_attention(*args, **kwargs)
+
+    flex.__code__ = flex.__code__.replace()
+    return torch.compile(flex, dynamic=False, fullgraph=True)
 
 
 def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
@@ -345,12 +413,14 @@ class LatentAttention(Attention):
             v = c @ w_v.transpose(1, 2)                                   # (B, n_head, S, hd)
             out = self.attend(torch.cat([q, q_rope], dim=-1), k, v, attn_mask, scale)  # (B, n_head, T, hd)
         else:  # absorbed form
-            q_latent = q @ w_k                                            # (B, n_head, T, L)
+            # Per head h, q_h W_k[h] and later o_h W_v[h]^T, as one product batched over the heads
+            # (einsum: `q @ w_k` would broadcast w_k over the batch by copying it per row first).
+            q_latent = torch.einsum("bhtd,hdl->bhtl", q, w_k)             # (B, n_head, T, L)
             # The values are c, the first L columns of each cached [c, k_r]. The whole row as value,
             # keeping L output columns, gives the same numbers with d_v = d_k, which SDPA's fused
             # kernels need (its math path is ~10x slower on CPU at batch 64 and context 1024).
             out = self.attend(torch.cat([q_latent, q_rope], dim=-1), latent, latent, attn_mask,
                               scale)[..., :L]                             # (B, n_head, T, L)
-            out = out @ w_v.transpose(1, 2)                               # (B, n_head, T, hd)
+            out = torch.einsum("bhtl,hdl->bhtd", out, w_v)                # (B, n_head, T, hd)
         out = out.transpose(1, 2).contiguous().view(B, T, C)            # (B, T, n_embd)
         return self.proj(out), latent

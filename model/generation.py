@@ -11,6 +11,7 @@ With and without the cache the same tokens come out while prompt + new tokens fi
 block_size // 2); each row of a batch is generated exactly as its prompt would be alone.
 """
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model.attention import SplitKV
 from model.checkpoint import load, load_weights
 from model.config import check_integer, is_real
 from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device, synchronized_clock
@@ -141,8 +143,16 @@ def sample_next(logits, sampling: Sampling, generator=None):
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     probs = F.softmax(logits, dim=-1)
     if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])  # (B,)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        return torch.cat([draw(p[None], g) for p, g in zip(probs, generator)])  # (B,)
+    return draw(probs, generator)
+
+
+def draw(probs, generator=None):
+    """One index per row of probs (B, vocab), index i with probability probs[:, i]: torch.multinomial's
+    own method for one sample (the argmax of p / q, q ~ Exp(1)), so its numbers bit for bit, written
+    out because multinomial first checks the probabilities on the host, which a CUDA graph cannot
+    hold (the decode step samples inside its graph)."""
+    return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(dim=-1)  # (B,)
 
 
 def left_pad(prompts, device):
@@ -219,14 +229,16 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     else:
         cache = model.new_kv_cache(B, min(c.block_size, T + max_new_tokens), dtype=kv_dtype)
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
+    # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
+    step_draws = decode_step.sampler(sampling, vocab_size, generator, B) if decode_step is not None else None
 
     # cache_pad (B,): the pad slots among the cache's. Inference mode (~15% faster a step on a CPU),
     # no cuDNN attention; the tokens, sampled outside it, are plain tensors one may train on.
     no_cudnn = CudnnAttentionOff()
     with torch.inference_mode(), no_cudnn:
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
+    token = sample_next(logits[:, :vocab_size], sampling, generator)     # (B,)
     for i in range(max_new_tokens):
-        token = sample_next(logits[:, :vocab_size], sampling, generator)  # (B,)
         yield token
         if i == max_new_tokens - 1:
             break
@@ -239,10 +251,11 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
         with torch.inference_mode(), no_cudnn:
             if cache is None:
                 logits, _ = prefill(model, tokens[:, :length], None, pad)
-                continue
-            if cache.length == cache.max_len and not cache.ring:
-                cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad, prefill_chunk)
-            logits = step(token[:, None], cache, cache_pad)
+            else:
+                if cache.length == cache.max_len and not cache.ring:
+                    cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad, prefill_chunk)
+                logits = (step_draws or step)(token[:, None], cache, cache_pad)  # (B, vocab), or drawn: (B,)
+        token = logits.clone() if step_draws else sample_next(logits[:, :vocab_size], sampling, generator)
 
 
 def new_tokens_allowed(config, prompt_len: int) -> float:
@@ -384,29 +397,33 @@ class CompiledDecodeStep:
     `stream` given this step reuses. The cache, the token, the pad and the position are tensors
     allocated here and written in place (`stream` fills the rows a smaller batch leaves free; their
     outputs are dropped), so every prompt length, number of new tokens and batch up to batch_size
-    runs one graph. On CUDA nothing the step reads changes shape (a CUDA graph replays fixed
-    shapes): it reads every slot of the cache, unwritten ones masked. On a CPU it reads the slots
-    written so far, as the eager step does, in a graph compiled once for any number of them (one
-    dynamic dimension). Reading every slot, a compiled step of 100 new tokens a row at batch 64 in a
-    block of 1,024 ran 900 tokens/s, now 27,557 (the eager step: 12,254). `backend` says how:
+    runs one graph. `backend` says how:
 
         cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
                     generated, captured in well under a second; `generate.py`'s default on CUDA
-        inductor    torch.compile generates the step's code (fused kernels), on CUDA replayed as a
+        inductor    torch.compile generates the step's code (fused kernels), on CUDA captured as a
                     CUDA graph too: seconds to compile, the fastest step once compiled
         aot_eager   torch.compile traces the same graph and runs it eagerly: a quick check of the
                     traced step (tests, the GPU plan's smoke run)
 
-    The step is built and run once when made (compiling, capturing), so that whatever that prints
-    comes before a sample's text."""
+    On CUDA nothing the step reads changes shape (a CUDA graph replays fixed shapes): it reads every
+    slot of the cache, unwritten ones masked, its one-query attention split across the GPU's
+    multiprocessors (`attend_split_kv`, unless split_kv=False: SDPA's kernels), and it draws the next
+    token inside the graph too (`sampler`): the host launches one graph a token, with no guard of
+    torch.compile's run per token. On a CPU it reads the slots written so far, as the eager step
+    does, in a graph compiled once for any number of them (one dynamic dimension). Reading every
+    slot, a CPU's compiled step of 100 new tokens a row at batch 64 in a block of 1,024 ran 900
+    tokens/s, now 27,557 (the eager step: 12,254). The step is built and run once when made
+    (compiling, capturing), so that whatever that prints comes before a sample's text."""
 
-    def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor"):
+    def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
+                 split_kv: bool = True):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
         if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
             raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
                              f"{backend!r} for a model on {device.type}")
-        self.model = model
+        self.model, self.split_kv = model, split_kv
         self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
@@ -426,10 +443,11 @@ class CompiledDecodeStep:
         with warnings.catch_warnings(), torch.inference_mode():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
             warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
-            if backend == "cuda_graph":
-                self.run = self.captured(logits_at)
+            if device.type == "cuda":
+                self.run = self.captured(logits_at if backend == "cuda_graph" else
+                                         self.compiled(logits_at, backend))
             else:
-                self.run = self.compiled(logits_at, backend)
+                self.run = self.compiled_reading_written(self.compiled(logits_at, backend), logits_at)
                 # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
                 # be compiled as constants), then the whole cache's step (whatever it compiles, e.g.
                 # an int8 cache's kernel).
@@ -439,7 +457,8 @@ class CompiledDecodeStep:
                     self.cache.reset()
 
     def compiled(self, logits_at, backend: str):
-        """logits_at compiled by torch.compile's `backend` (on CUDA with inductor, as CUDA graphs)."""
+        """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
+        as a CUDA graph after), or on a CPU one whose `slots` size is dynamic."""
         for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
                        self.input_pos]:
             torch._dynamo.mark_static_address(buffer)
@@ -447,18 +466,17 @@ class CompiledDecodeStep:
         # recompile limit (8; with fullgraph, the 9th is an error), and every step of another model
         # shape or batch size would add one to a shared one. Each step has exactly one graph.
         logits_at.__code__ = logits_at.__code__.replace()
-        on_cuda = self.token.device.type == "cuda"
-        mode = "reduce-overhead" if on_cuda and backend == "inductor" else None
         # dynamic=None: a size that changes is compiled as a dynamic one (only `slots`' can), also in
         # a recompile for another reason (a tensor's dispatch keys, in and out of inference mode)
-        step = torch.compile(logits_at, backend=backend, mode=mode, dynamic=None if self.slots is not None
-                             else False, fullgraph=True)
+        return torch.compile(logits_at, backend=backend, dynamic=None if self.slots is not None else False,
+                             fullgraph=True)
+
+    def compiled_reading_written(self, step, logits_at):
+        """run(reads) on a CPU: the compiled step over the first `reads` slots (all of them for a ring)."""
         compiled = False
 
         def run(reads: int):
             nonlocal compiled
-            if on_cuda:
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's logits have been read
             if self.slots is None:
                 return step(*self.inputs)
             slots = self.slots[:reads]                                     # (reads,)
@@ -472,18 +490,10 @@ class CompiledDecodeStep:
         return run
 
     def captured(self, logits_at):
-        """logits_at captured as a CUDA graph over the static inputs: warmed up on a side stream (as
-        capturing needs: lazy initialisations, an int8 cache's kernel compiled), then recorded once;
-        each call replays it, its logits written to the same tensor."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                logits_at(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = logits_at(*self.inputs)                             # (batch_size, 1, vocab)
+        """run(reads) on CUDA: logits_at over the static inputs captured as a CUDA graph (`capture`),
+        each call a replay whose logits are written to the same tensor."""
+        self.body, self.sampling_graphs = logits_at, {}
+        graph, logits = self.capture(lambda: logits_at(*self.inputs))    # (batch_size, 1, vocab)
         self.graph = graph  # (kept alive with its memory pool)
 
         def run(reads: int):
@@ -492,16 +502,69 @@ class CompiledDecodeStep:
 
         return run
 
-    def __call__(self, token, cache, pad=None):
-        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length: read them
-        before the next call, which writes over them."""
+    def capture(self, body, generator=None, restore_rng=False):
+        """(a CUDA graph of body(), what body returned): warmed up twice on a side stream (as capturing
+        needs: lazy initialisations; torch.compile's or an int8 cache's kernel compiled), then
+        recorded once, in a memory pool of its own, with attention split across the GPU (split_kv).
+        With restore_rng the warm-ups leave `generator` (None: CUDA's default) as they found it, and
+        the graph advances it at every replay as the eager draws would."""
+        split = SplitKV() if self.split_kv else contextlib.nullcontext()
+        rng = torch.cuda.get_rng_state() if generator is None else generator.get_state()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), split:
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        if restore_rng:
+            torch.cuda.set_rng_state(rng) if generator is None else generator.set_state(rng)
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        with split, torch.cuda.graph(graph):
+            out = body()
+        return graph, out
+
+    def sampler(self, sampling: Sampling, vocab_size, generator, B: int):
+        """On CUDA, a step that also draws the next tokens, (token (B, 1), cache, pad) -> (B,): one
+        CUDA graph of the step and `sample_next` (greedy, temperature, top-k, top-p, `generator`),
+        captured on the first call for each way of sampling and batch size (the draws of a smaller
+        batch are others), kept for the 4 latest. The same tokens as sampling after the step's logits,
+        seeded too. None on a CPU, or for a list of generators (one per row: drawn after the step)."""
+        if self.token.device.type != "cuda" or isinstance(generator, (list, tuple)):
+            return None
+        key = (B, sampling.temperature, sampling.top_k, sampling.top_p, vocab_size, generator)
+        if key not in self.sampling_graphs:
+            if len(self.sampling_graphs) == 4:
+                del self.sampling_graphs[next(iter(self.sampling_graphs))]
+            with torch.inference_mode():
+                logits = lambda: self.body(*self.inputs)[:B, -1, :vocab_size]  # noqa: E731  (B, vocab)
+                self.sampling_graphs[key] = self.capture(lambda: sample_next(logits(), sampling, generator),
+                                                         generator, restore_rng=True)
+        graph, drawn = self.sampling_graphs[key]                         # drawn: (B,)
+
+        def step_and_draw(token, cache, pad=None):
+            self.write_inputs(token, cache, pad)
+            graph.replay()
+            cache.advance(1)
+            return drawn
+
+        return step_and_draw
+
+    def write_inputs(self, token, cache, pad=None):
+        """token (B, 1), B <= batch_size, pad (B,) or None and the slot cache.length to the static inputs."""
         B = token.size(0)
         self.token[:B] = token
         self.pad[:B] = 0 if pad is None else pad
         self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
+
+    def __call__(self, token, cache, pad=None):
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length: read them
+        before the next call, which writes over them."""
+        self.write_inputs(token, cache, pad)
         logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
         cache.advance(1)
-        return logits[:B, -1]
+        return logits[:token.size(0), -1]
 
 
 def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,

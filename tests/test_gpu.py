@@ -6,6 +6,8 @@ a run with it resumes and samples with no warning in the text, a torchrun job wi
 than GPUs is refused in one line, MFU's peak is read from the GPU's name, and BatchedMuon steps as
 PyTorch's Muon."""
 
+import copy
+import dataclasses
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -14,10 +16,11 @@ import pytest
 import torch
 from torch.nn.attention import sdpa_kernel
 
-from benchmarks.gpu import VARIANTS, decode_step_kernels, training_kernels, variant_model
+from benchmarks.gpu import VARIANTS, SDPACalls, decode_step_kernels, training_kernels, variant_model
 from data.batches import Batches
 from model import GPT, GPTConfig
-from model.generation import CompiledDecodeStep, decode_backends, generate
+from model.attention import SplitKV
+from model.generation import CompiledDecodeStep, decode_backends, draw, generate
 from tests.helpers import ROOT, clean_env, compose, tiny_model, train_checked
 from tests.model.test_generation import DECODE_VARIANTS
 from training.optimizer import BatchedMuon, configure_optimizer
@@ -60,11 +63,11 @@ INDUCTOR = ["mqa", "gqa int8 cache"]  # (an inductor compile each: the rest run 
 def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(variant, backend,
                                                                                   float32_matmuls):
     """float32, greedy and seeded, two calls with prompts of two lengths. The static step (captured
-    as a CUDA graph, or compiled) runs the eager step's kernels: the same tokens, seeded too. The
-    uncached reference runs others (the whole context at once: flash or math, where the step runs
-    memory-efficient attention over a mask), so it agrees to float rounding: the same greedy tokens,
-    and along the sampled tokens logits within 1e-5; a seeded draw may part where its uniform falls
-    within that rounding of a boundary (benchmarks/gpu.py --section exactness shows where)."""
+    as a CUDA graph, or compiled, with split-KV attention over a mask and the token drawn inside
+    its graph) gives the eager step's tokens, seeded too. The uncached reference runs other kernels
+    (the whole context at once: flash or math), so it agrees to float rounding: the same greedy
+    tokens, and along the sampled tokens logits within 1e-5; a seeded draw may part where its uniform
+    falls within that rounding of a boundary (benchmarks/gpu.py --section exactness shows where)."""
     if backend == "inductor" and variant not in INDUCTOR:
         pytest.skip("compiled with inductor for " + ", ".join(INDUCTOR) + " only (seconds each)")
     model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA)
@@ -83,6 +86,85 @@ def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(
             if kw["temperature"] == 0:
                 assert torch.equal(outs[0], outs[2]), (length, "greedy: cached vs uncached")
             assert_cached_logits_close(model, outs[0], length)
+
+
+def test_draw_gives_torch_multinomials_tokens_on_cuda():
+    """The step's draw inside a CUDA graph (no host check) is torch.multinomial's, bit for bit."""
+    for seed in range(60):
+        rows, vocab = [(1, 65), (4, 50257), (3, 7)][seed % 3]
+        logits = torch.randn(rows, vocab, device=CUDA, generator=torch.Generator(CUDA).manual_seed(seed)) * 3
+        probs = torch.softmax(logits.masked_fill(logits < 0, float("-inf")) if seed % 2 else logits, -1)
+        expected = torch.multinomial(probs, 1, generator=torch.Generator(CUDA).manual_seed(seed)).squeeze(1)
+        assert torch.equal(draw(probs, torch.Generator(CUDA).manual_seed(seed)), expected), seed
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
+def test_split_kv_attention_on_cuda_equals_the_naive_backend(variant, float32_matmuls):
+    """The CUDA step's computation with split-KV attention (FlexAttention's decoding kernel,
+    compiled) against the naive backend over the same cache, float32, 12 steps from a 5-token
+    prompt (a window's ring wraps): logits within 1e-5 and the same greedy tokens; no SDPA call
+    (an int8 cache's one-query kernel reads it as stored instead)."""
+    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA).eval()
+    naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).to(CUDA).eval()
+    naive.load_state_dict(model.state_dict())
+    cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
+    token, pad = torch.tensor([[3], [4]], device=CUDA), torch.tensor([0, 2], device=CUDA)
+    with torch.no_grad():
+        model(torch.randint(1, 37, (2, 5), device=CUDA), kv_cache=cache, pad=pad)
+        for _ in range(12):
+            input_pos, same_cache = torch.tensor([cache.length], device=CUDA), copy.deepcopy(cache)
+            with SplitKV(), SDPACalls() as calls:
+                logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
+            reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+            assert torch.equal(logits.argmax(-1), reference.argmax(-1)) and not calls.made
+            cache.advance(1)
+            token = logits.argmax(-1, keepdim=True)                                   # (2, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANTS.keys())
+def test_split_kv_attention_in_bf16_at_gpt2_width_is_within_bf16_rounding(variant):
+    """GPT-2 small width in bf16, batch 4, a full cache of random numbers: the step's logits with
+    split-KV attention as far from the naive backend's as SDPA's are, give or take half (bf16
+    rounding through 12 layers: a relative norm of ~1.2% for both on a CPU's references)."""
+    model = variant_model(VARIANTS[variant], CUDA, torch.bfloat16, smoke=False)
+    naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).to(CUDA, torch.bfloat16).eval()
+    naive.load_state_dict(model.state_dict())
+    cache = model.new_kv_cache(4)
+    for t in cache.buffers:
+        t.normal_(generator=torch.Generator(CUDA).manual_seed(0))
+    token, pad = torch.arange(1, 5, device=CUDA)[:, None], torch.zeros(4, dtype=torch.long, device=CUDA)
+    input_pos = torch.tensor([cache.max_len - 1], device=CUDA)
+    with torch.no_grad():
+        reference = naive.logits_at(token, input_pos, cache, pad).float()
+        with SplitKV():
+            split = model.logits_at(token, input_pos, cache, pad).float()
+        with sdpa_kernel(decode_backends(CUDA), set_priority=True):
+            sdpa = model.logits_at(token, input_pos, cache, pad).float()
+    split_error, sdpa_error = ((logits - reference).norm() / reference.norm() for logits in (split, sdpa))
+    assert split_error <= 1.5 * sdpa_error and sdpa_error < 3e-2, (split_error, sdpa_error)
+
+
+@pytest.mark.parametrize("backend", ["cuda_graph", "inductor"])
+def test_the_cuda_step_draws_inside_its_graph_what_sampling_after_it_draws(backend):
+    """Each way of sampling (temperature, top-k, top-p; a generator, CUDA's default one, a list of
+    one per row), batch 2: the static step, which draws inside its CUDA graph (one graph launch a
+    token), gives the eager step's tokens; the generator ends where the eager draws leave it."""
+    model = tiny_model(pos_emb="rope", n_kv_head=2).to(CUDA)
+    step = CompiledDecodeStep(model, batch_size=2, backend=backend)
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]], device=CUDA)
+    for kw in ({"temperature": 0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.2, "top_p": 0.9}):
+        for generators in ("one", "default", "per row"):
+            outs, ends = [], []
+            for decode_step in (step, None):
+                torch.cuda.manual_seed(7)
+                generator = {"one": torch.Generator(CUDA).manual_seed(7), "default": None,
+                             "per row": [torch.Generator(CUDA).manual_seed(i) for i in (7, 8)]}[generators]
+                outs.append(generate(model, prompt, 25, decode_step=decode_step, generator=generator, **kw))
+                end = torch.cuda.get_rng_state() if generator is None else torch.empty(0)
+                ends.append(end if not isinstance(generator, torch.Generator) else generator.get_state())
+            assert torch.equal(outs[0], outs[1]), (kw, generators)
+            assert torch.equal(ends[0], ends[1]), (kw, generators, "generator state")
 
 
 def assert_cached_logits_close(model, tokens, length: int) -> None:

@@ -1,6 +1,7 @@
 """model/generation.py: cached and uncached paths agree, sampling options, batched prompts,
 generation past block_size, the compiled decode step."""
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -13,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.gpu import SDPACalls
 from model import GPT
+from model.attention import SplitKV
 from model.generation import (
     CompiledDecodeStep,
     Sampling,
@@ -314,12 +316,15 @@ DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], 
                    "local/global, sinks, sink logit": BOUNDED["local/global, sinks, sink logit"]}
 
 
+@pytest.mark.parametrize("split_kv", [False, True], ids=["sdpa", "split-kv"])
 @pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
-def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
-    """The compiled step's computation (every slot of the cache, masked, through SDPA with each
-    K/V head's query heads folded into its queries, under the step's backend list) against the
-    naive backend (scores broadcast over each group, no SDPA) reading the same cache: float32
-    logits within 1e-6 at every step, ring wraps included, and the same greedy tokens."""
+def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant, split_kv):
+    """The static step's computation (every slot of the cache, masked, with each K/V head's query
+    heads folded into its queries, through SDPA under the step's backend list, or as the CUDA step
+    runs it, split-KV attention: FlexAttention, whose CPU reference this runs) against the naive
+    backend (scores broadcast over each group, no SDPA) reading the same cache: float32 logits
+    within 1e-6 at every step, ring wraps included, and the same greedy tokens. (An int8 cache's
+    step reads it as stored either way.)"""
     model = cache_kind_model(DECODE_VARIANTS[variant])
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).eval()
     naive.load_state_dict(model.state_dict())
@@ -329,7 +334,8 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant):
         model(torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)), kv_cache=cache)
         for _ in range(15):
             input_pos, same_cache = torch.tensor([cache.length]), copy.deepcopy(cache)
-            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True):
+            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True), \
+                    SplitKV() if split_kv else contextlib.nullcontext():
                 logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
             reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
             torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
