@@ -529,7 +529,8 @@ def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 10
     if smoke and "mla_latent_dim" in fields:
         fields |= {"mla_latent_dim": 32, "mla_rope_dim": 8}
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)).to(device, dtype).eval()
+    with torch.device(device):  # initialised where it runs: seconds less a model on a GPU
+        return GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)).to(dtype=dtype).eval()
 
 
 def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, split_kv: bool,

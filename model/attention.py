@@ -79,7 +79,14 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
         return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
     if backend != "naive":
         raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
+    return attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights,
+                        scale)
 
+
+def attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights, scale):
+    """`attend` written out: the scores, the masks, the softmax (with the sink's logit), the values."""
+    B, n_head, T, d_k = q.shape
+    n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
     # Broadcasting over the n_rep query heads of a group reads their K/V head once: no n_head copies.
     n_rep = n_head // n_kv_head
     qg = q.view(B, n_kv_head, n_rep, T, d_k)                           # (B, n_kv_head, n_rep, T, d_k)

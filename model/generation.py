@@ -207,8 +207,7 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     prompt prefix compute it once (`share_prefix`). `decode_step` (a `CompiledDecodeStep`)
     replaces the eager one-token step, and its static cache the one allocated per call. `vocab_size`
     limits sampling to the ids below it (a tokenizer's). The arguments that depend on the model are
-    checked here, once (the Sampling was when it was made).
-    """
+    checked here, once (the Sampling was when it was made)."""
     decode_step = decode_step if kv_cache else None  # no cache, no decode step
     kv_dtype = check_generation(model, idx, sampling, generator=generator, vocab_size=vocab_size,
                                 decode_step=decode_step, kv_dtype=kv_dtype, pad=pad,
@@ -222,11 +221,8 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
                          device=idx.device)                              # (B, capacity)
     tokens[:, :T] = idx
     length = T
-    if not kv_cache:
-        cache = None
-    elif decode_step is not None:
-        cache = decode_step.cache  # static: its first B rows serve this call
-    else:
+    cache = None if decode_step is None else decode_step.cache  # static: its first B rows serve this call
+    if kv_cache and cache is None:
         cache = model.new_kv_cache(B, min(c.block_size, T + max_new_tokens), dtype=kv_dtype)
     step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
     # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
