@@ -65,6 +65,13 @@ def tiny_config(**overrides) -> GPTConfig:
                      | overrides)
 
 
+def split_kv_wide(overrides: dict) -> dict:
+    """tiny_model overrides with heads split-KV attention takes (model.attention.splits_kv): 16 wide,
+    and MLA's absorbed keys 12 + 4."""
+    mla = {"mla_latent_dim": 12, "mla_rope_dim": 4} if "mla_latent_dim" in overrides else {}
+    return overrides | {"n_embd": 64} | mla
+
+
 def tiny_model(seed: int = 0, **overrides) -> GPT:
     """tiny_config(**overrides) as a GPT in eval mode, its weights drawn from `seed`."""
     torch.manual_seed(seed)

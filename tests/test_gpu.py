@@ -21,7 +21,7 @@ from data.batches import Batches
 from model import GPT, GPTConfig
 from model.attention import SplitKV
 from model.generation import CompiledDecodeStep, decode_backends, draw, generate
-from tests.helpers import ROOT, clean_env, compose, tiny_model, train_checked
+from tests.helpers import ROOT, clean_env, compose, split_kv_wide, tiny_model, train_checked
 from tests.model.test_generation import DECODE_VARIANTS
 from training.optimizer import BatchedMuon, configure_optimizer
 from training.step import TrainStep
@@ -70,7 +70,7 @@ def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(
     falls within that rounding of a boundary (benchmarks/gpu.py --section exactness shows where)."""
     if backend == "inductor" and variant not in INDUCTOR:
         pytest.skip("compiled with inductor for " + ", ".join(INDUCTOR) + " only (seconds each)")
-    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA)
+    model = tiny_model(pos_emb="rope", **split_kv_wide(DECODE_VARIANTS[variant])).to(CUDA)
     kv_dtype = torch.int8 if "int8" in variant else None
     step = CompiledDecodeStep(model, kv_dtype=kv_dtype, backend=backend)
     for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
@@ -104,7 +104,7 @@ def test_split_kv_attention_on_cuda_equals_the_naive_backend(variant, float32_ma
     compiled) against the naive backend over the same cache, float32, 12 steps from a 5-token
     prompt (a window's ring wraps): logits within 1e-5 and the same greedy tokens; no SDPA call
     (an int8 cache's one-query kernel reads it as stored instead)."""
-    model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant]).to(CUDA).eval()
+    model = tiny_model(pos_emb="rope", **split_kv_wide(DECODE_VARIANTS[variant])).to(CUDA).eval()
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).to(CUDA).eval()
     naive.load_state_dict(model.state_dict())
     cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
@@ -150,7 +150,7 @@ def test_the_cuda_step_draws_inside_its_graph_what_sampling_after_it_draws(backe
     """Each way of sampling (temperature, top-k, top-p; a generator, CUDA's default one, a list of
     one per row), batch 2: the static step, which draws inside its CUDA graph (one graph launch a
     token), gives the eager step's tokens; the generator ends where the eager draws leave it."""
-    model = tiny_model(pos_emb="rope", n_kv_head=2).to(CUDA)
+    model = tiny_model(pos_emb="rope", **split_kv_wide({"n_kv_head": 2})).to(CUDA)
     step = CompiledDecodeStep(model, batch_size=2, backend=backend)
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]], device=CUDA)
     for kw in ({"temperature": 0}, {"temperature": 0.8, "top_k": 5}, {"temperature": 1.2, "top_p": 0.9}):

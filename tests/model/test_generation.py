@@ -25,7 +25,16 @@ from model.generation import (
     sample_next,
     stream,
 )
-from tests.helpers import ATTENTION, BOUNDED, ENDLESS, VARIANTS, cache_kind_model, stream_logits, tiny_model
+from tests.helpers import (
+    ATTENTION,
+    BOUNDED,
+    ENDLESS,
+    VARIANTS,
+    cache_kind_model,
+    split_kv_wide,
+    stream_logits,
+    tiny_model,
+)
 from training.evaluation import split_loss
 
 FILLS = {"one shot": {}, "chunks of 4": {"prefill_chunk": 4}, "one token at a time": {"prefill_chunk": 1}}
@@ -321,11 +330,12 @@ DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], 
 def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant, split_kv):
     """The static step's computation (every slot of the cache, masked, with each K/V head's query
     heads folded into its queries, through SDPA under the step's backend list, or as the CUDA step
-    runs it, split-KV attention: FlexAttention, whose CPU reference this runs) against the naive
-    backend (scores broadcast over each group, no SDPA) reading the same cache: float32 logits
-    within 1e-6 at every step, ring wraps included, and the same greedy tokens. (An int8 cache's
-    step reads it as stored either way.)"""
-    model = cache_kind_model(DECODE_VARIANTS[variant])
+    runs it, split-KV attention: FlexAttention, whose CPU reference this runs, on heads it takes)
+    against the naive backend (scores broadcast over each group, no SDPA) reading the same cache:
+    float32 logits within 1e-6 at every step, ring wraps included, and the same greedy tokens. (An
+    int8 cache's step reads it as stored either way.)"""
+    overrides = DECODE_VARIANTS[variant]
+    model = cache_kind_model(split_kv_wide(overrides) if split_kv else overrides)
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).eval()
     naive.load_state_dict(model.state_dict())
     cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
@@ -334,9 +344,10 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant, split_kv
         model(torch.randint(0, 37, (2, 5), generator=torch.Generator().manual_seed(0)), kv_cache=cache)
         for _ in range(15):
             input_pos, same_cache = torch.tensor([cache.length]), copy.deepcopy(cache)
-            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True), \
+            with sdpa_kernel(decode_backends(torch.device("cpu")), set_priority=True), SDPACalls() as calls, \
                     SplitKV() if split_kv else contextlib.nullcontext():
                 logits = model.logits_at(token, input_pos, cache, pad)[:, -1]           # (2, vocab)
+            assert not (split_kv and calls.made)  # (every attention call split-KV)
             reference = naive.logits_at(token, input_pos, same_cache, pad)[:, -1]
             torch.testing.assert_close(logits, reference, atol=1e-6, rtol=0)
             assert torch.equal(logits.argmax(-1), reference.argmax(-1))
