@@ -35,6 +35,8 @@ mean nothing.
 """
 
 import contextlib
+import copy
+import faulthandler
 import gc
 import importlib.metadata
 import importlib.util
@@ -460,13 +462,14 @@ def same_tokens(model, step: CompiledDecodeStep, new: int) -> bool:
 
 
 def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
-    """One model shape: whether the paths agree (float32), then each one's batch-1 tokens/s in the
-    decoding dtype: our compiled step (split-KV attention, the token drawn inside its CUDA graph),
-    the same with SDPA's attention (the step before split-KV), the CUDA-graph step with no compile
-    (generate.py's default on CUDA), the eager step, and transformers' static cache, which its
-    `generate` compiles on CUDA (counted: dynamo's graphs made during its warm-up). Then the compiled
-    step's profile: GPU busy time, kernels and the largest ones per token. (A smoke run compiles the
-    step without inductor's code generation: most of its CPU time otherwise.)"""
+    """One model shape: each path's batch-1 tokens/s in the decoding dtype, printed as measured: our
+    compiled step (split-KV attention, the token drawn inside its CUDA graph), the same with SDPA's
+    attention (the step before split-KV), the CUDA-graph step (generate.py's default on CUDA) with
+    split-KV attention (compiled, that kernel alone), the eager step, and transformers' static
+    cache, which its `generate` compiles on CUDA (counted: dynamo's graphs made during its warm-up).
+    Then the compiled step's profile (GPU busy time, kernels and the largest ones per token) and
+    whether the paths agree (float32). (A smoke run compiles the step without inductor's code
+    generation: most of its CPU time otherwise.)"""
     from torch._dynamo.utils import counters  # (slow to import: only where it is read)
 
     backend = "aot_eager" if smoke else "inductor"
@@ -474,45 +477,50 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     hf, ours = decode_models(shape, device)
     new = 16 if smoke else min(500, shape[1] - 2)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    # The check runs in float32 (in bf16 the paths round differently, and a random model's
-    # near-ties may then break either way), with float32 matmuls, not TF32.
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    # (captured uncompiled on CUDA: the same split-KV attention and in-graph draw as the compiled
-    # step, whose own tokens tests/test_gpu.py checks; an inductor compile less per shape)
-    static_backend = "aot_eager" if smoke else "cuda_graph"
-    identical = same_tokens(ours, CompiledDecodeStep(ours, backend=static_backend), 20)
-    torch.set_float32_matmul_precision(precision)
-    hf, ours = hf.to(dtype), ours.to(dtype)
-    steps = {"ours, compiled step": CompiledDecodeStep(ours, backend=backend),
-             "ours, compiled step, SDPA attention": CompiledDecodeStep(ours, backend=backend, split_kv=False)}
+    hf_bf16, ours_bf16 = copy.deepcopy(hf).to(dtype), copy.deepcopy(ours).to(dtype)
+    steps = {"ours, compiled step": dict(backend=backend),
+             "ours, compiled step, SDPA attention": dict(backend=backend, split_kv=False)}
     if device.type == "cuda":
-        steps["ours, CUDA-graph step, no compile"] = CompiledDecodeStep(ours, backend="cuda_graph")
+        steps["ours, CUDA-graph step, split-KV compiled"] = dict(backend="cuda_graph", split_kv=True)
     steps["ours, eager step"] = None
-    sample = lambda step: generate(ours, prompt, new, temperature=0, decode_step=step)  # noqa: E731
-    tokens_per_s = {name: new / (timed_ms(lambda step=step: sample(step), device, repeat=2, warmup=1) / 1e3)
-                    for name, step in steps.items()}  # (each step was run when built)
-    row = {"CUDA graphs launched per token": graph_launches_per_token(ours, steps["ours, compiled step"])}
+    tokens_per_s, row = {}, {}
+    for name, kw in steps.items():
+        step = None if kw is None else CompiledDecodeStep(ours_bf16, **kw)  # (run once when built)
+        sample = lambda step=step: generate(ours_bf16, prompt, new, temperature=0, decode_step=step)  # noqa: E731
+        tokens_per_s[name] = new / (timed_ms(sample, device, repeat=2, warmup=1) / 1e3)
+        print(f"  {name}: {tokens_per_s[name]:,.0f} tokens/s", flush=True)
+        if name == "ours, compiled step":
+            row["CUDA graphs launched per token"] = graph_launches_per_token(ours_bf16, step)
+            busy_ms, kernels, top = profiled(sample, None, "", device)
+            row |= {"GPU busy ms/token": busy_ms / new, "kernels/token": kernels / new,
+                    "largest kernels (us a token)": top_text(top, new)}
     graphs = counters["stats"]["unique_graphs"]
     try:  # transformers' own failure (its version there) is this cell's, not the row's
-        tokens_per_s["transformers, static cache"] = new / (timed_ms(lambda: hf.generate(
+        tokens_per_s["transformers, static cache"] = new / (timed_ms(lambda: hf_bf16.generate(
             prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
             cache_implementation="static"), device, repeat=2) / 1e3)
         ratio = tokens_per_s["ours, compiled step"] / tokens_per_s["transformers, static cache"]
+        print(f"  transformers: {tokens_per_s['transformers, static cache']:,.0f} tokens/s", flush=True)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         ratio = f"transformers failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"[:200]
     row["transformers compiled (dynamo graphs)"] = counters["stats"]["unique_graphs"] - graphs
-    step = steps["ours, compiled step"]
-    busy_ms, kernels, top = profiled(lambda: sample(step), None, "", device)
+    # The check runs in float32 (in bf16 the paths round differently, and a random model's near-ties
+    # may then break either way), with float32 matmuls, not TF32; the step captured uncompiled on
+    # CUDA: the same split-KV attention and in-graph draw as the compiled step, whose own tokens
+    # tests/test_gpu.py checks, an inductor compile less per shape.
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    static_step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "cuda_graph", split_kv=True)
+    identical = same_tokens(ours, static_step, 20)
+    torch.set_float32_matmul_precision(precision)
     return {**{f"{k} tok/s": v for k, v in tokens_per_s.items()}, "ours / transformers": ratio,
             "same tokens (static step, eager, uncached)": identical, **row, "dtype": str(dtype),
-            "new tokens": new, "GPU busy ms/token": busy_ms / new, "kernels/token": kernels / new,
-            "largest kernels (us a token)": top_text(top, new)}
+            "new tokens": new}
 
 
-def decode_section(results: Results, device: torch.device, smoke: bool) -> None:
-    for name, shape in DECODE_SHAPES.items():
+def decode_section(results: Results, device: torch.device, smoke: bool, shapes: list[str]) -> None:
+    for name, shape in ((name, DECODE_SHAPES[name]) for name in shapes):
         measure(results, "decode", name,
                 lambda shape=shape: decode_row(decode_shape(shape, smoke), device, smoke))
 
@@ -1064,8 +1072,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--against", nargs=2, type=float, metavar=("VAL", "SECONDS"),
                         help="coldstart: nanoGPT's best val and its seconds to it, measured by an earlier "
                              "command (its run is then skipped)")
+    parser.add_argument("--shapes", nargs="+", choices=list(DECODE_SHAPES), default=list(DECODE_SHAPES),
+                        help="decode: the model shapes (default: all)")
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = parser.parse_args(argv)
+    faulthandler.enable()  # a crash in a compiler or driver prints where it was (one rental's did not)
     if args.against and not (all(map(math.isfinite, args.against)) and args.against[1] > 0):
         parser.error(f"--against VAL SECONDS: nanoGPT's best val loss and the seconds it took, finite and "
                      f"SECONDS > 0; got {' '.join(map(str, args.against))}")
@@ -1090,7 +1101,7 @@ def main(argv=None) -> list[dict]:
         {"probe": lambda: probe_section(results, device, args.smoke),
          "train": lambda: train_section(results, levers, args.smoke),
          "optimizer": lambda: optimizer_section(results, device, args.smoke),
-         "decode": lambda: decode_section(results, device, args.smoke),
+         "decode": lambda: decode_section(results, device, args.smoke, args.shapes),
          "variants": lambda: variants_section(results, device, args.smoke),
          "profile": lambda: profile_section(results, device, args.smoke),
          "coldstart": lambda: coldstart_section(results, cold, args.smoke, args.against, args.sampling),

@@ -63,8 +63,8 @@ INDUCTOR = ["mqa", "gqa int8 cache"]  # (an inductor compile each: the rest run 
 def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(variant, backend,
                                                                                   float32_matmuls):
     """float32, greedy and seeded, two calls with prompts of two lengths. The static step (captured
-    as a CUDA graph, or compiled, with split-KV attention over a mask and the token drawn inside
-    its graph) gives the eager step's tokens, seeded too. The uncached reference runs other kernels
+    as a CUDA graph, or compiled, both with split-KV attention over a mask and the token drawn
+    inside the graph) gives the eager step's tokens, seeded too. The uncached reference runs other kernels
     (the whole context at once: flash or math), so it agrees to float rounding: the same greedy
     tokens, and along the sampled tokens logits within 1e-5; a seeded draw may part where its uniform
     falls within that rounding of a boundary (benchmarks/gpu.py --section exactness shows where)."""
@@ -72,7 +72,7 @@ def test_the_static_step_on_cuda_gives_the_eager_tokens_and_the_uncached_logits(
         pytest.skip("compiled with inductor for " + ", ".join(INDUCTOR) + " only (seconds each)")
     model = tiny_model(pos_emb="rope", **split_kv_wide(DECODE_VARIANTS[variant])).to(CUDA)
     kv_dtype = torch.int8 if "int8" in variant else None
-    step = CompiledDecodeStep(model, kv_dtype=kv_dtype, backend=backend)
+    step = CompiledDecodeStep(model, kv_dtype=kv_dtype, backend=backend, split_kv=True)
     for kw in ({"temperature": 0}, {"temperature": 1.0, "top_k": 20}):
         for length in (1, 7):
             prompt = torch.arange(1, length + 1, device=CUDA)[None]          # (1, length)
@@ -148,8 +148,9 @@ def test_split_kv_attention_in_bf16_at_gpt2_width_is_within_bf16_rounding(varian
 @pytest.mark.parametrize("backend", ["cuda_graph", "inductor"])
 def test_the_cuda_step_draws_inside_its_graph_what_sampling_after_it_draws(backend):
     """Each way of sampling (temperature, top-k, top-p; a generator, CUDA's default one, a list of
-    one per row), batch 2: the static step, which draws inside its CUDA graph (one graph launch a
-    token), gives the eager step's tokens; the generator ends where the eager draws leave it."""
+    one per row), batch 2: the static step (as generate.py builds it: split-KV with inductor, SDPA's
+    kernel in the CUDA-graph step), which draws inside its CUDA graph (one graph launch a token),
+    gives the eager step's tokens; the generator ends where the eager draws leave it."""
     model = tiny_model(pos_emb="rope", **split_kv_wide({"n_kv_head": 2})).to(CUDA)
     step = CompiledDecodeStep(model, batch_size=2, backend=backend)
     prompt = torch.tensor([[1, 2, 3], [4, 5, 6]], device=CUDA)
