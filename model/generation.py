@@ -233,7 +233,7 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     no_cudnn = CudnnAttentionOff()
     with torch.inference_mode(), no_cudnn:
         logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
-    token = sample_next(logits[:, :vocab_size], sampling, generator)     # (B,)
+    token = sample_next(logits[:, :vocab_size], sampling, generator) if max_new_tokens else None  # (B,)
     for i in range(max_new_tokens):
         yield token
         if i == max_new_tokens - 1:

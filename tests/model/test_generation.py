@@ -644,3 +644,11 @@ def test_random_models_decode_each_row_as_alone_and_as_the_uncached_reference(se
         for row, row_ref in zip(rows, ref):
             assert torch.equal(row[:len(row_ref)], row_ref), (overrides, prompts, kwargs)
         torch.testing.assert_close(torch.stack(logits[:within]), torch.stack(ref_logits), atol=1e-5, rtol=0)
+
+
+def test_no_new_tokens_draw_nothing():
+    """max_new_tokens=0 returns the prompt and leaves the generator where it was (no draw)."""
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    out = generate(tiny_model(), torch.tensor([[1, 2]]), 0, generator=generator)
+    assert torch.equal(out, torch.tensor([[1, 2]])) and torch.equal(generator.get_state(), state)
