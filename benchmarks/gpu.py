@@ -1076,7 +1076,8 @@ def main(argv=None) -> list[dict]:
                         help="decode: the model shapes (default: all)")
     parser.add_argument("--out", type=Path, default=Path("outputs/gpu") / time.strftime("%Y-%m-%d_%H-%M-%S"))
     args = parser.parse_args(argv)
-    faulthandler.enable()  # a crash in a compiler or driver prints where it was (one rental's did not)
+    faulthandler.enable(sys.__stderr__)  # a crash in a compiler or driver prints where it was (one
+    # rental's did not); to the process's own stderr, which a test capturing sys.stderr leaves alone
     if args.against and not (all(map(math.isfinite, args.against)) and args.against[1] > 0):
         parser.error(f"--against VAL SECONDS: nanoGPT's best val loss and the seconds it took, finite and "
                      f"SECONDS > 0; got {' '.join(map(str, args.against))}")
