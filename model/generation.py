@@ -409,11 +409,11 @@ class CompiledDecodeStep:
     split across the GPU's multiprocessors (`attend_split_kv`; on an H200, GPT-2 124M's batch-1
     step ran 1,748 tokens/s against SDPA's 863); the cuda_graph step uses SDPA's kernels unless
     asked (its split-KV attention would compile, seconds at start, for ~0.1 s over 500 tokens of
-    the char model). On a CPU it reads the slots written so far, as the eager step
-    does, in a graph compiled once for any number of them (one dynamic dimension). Reading every
-    slot, a CPU's compiled step of 100 new tokens a row at batch 64 in a block of 1,024 ran 900
-    tokens/s, now 27,557 (the eager step: 12,254). The step is built and run once when made
-    (compiling, capturing), so that whatever that prints comes before a sample's text."""
+    the char model). On a CPU it reads the slots written so far, as the eager step does, in a graph
+    compiled once for any number of them (one dynamic dimension). Reading every slot, a CPU's
+    compiled step of 100 new tokens a row at batch 64 in a block of 1,024 ran 900 tokens/s, now
+    27,557 (the eager step: 12,254). The step is built and run once when made (compiling,
+    capturing), so that whatever that prints comes before a sample's text."""
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
                  split_kv: bool | None = None):
@@ -508,7 +508,8 @@ class CompiledDecodeStep:
         With restore_rng the warm-ups leave `generator` (None: CUDA's default) as they found it, and
         the graph advances it at every replay as the eager draws would."""
         split = SplitKV() if self.split_kv else contextlib.nullcontext()
-        rng = torch.cuda.get_rng_state() if generator is None else generator.get_state()
+        if restore_rng:  # (the warm-ups draw too)
+            rng = torch.cuda.get_rng_state() if generator is None else generator.get_state()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), split:
