@@ -64,7 +64,7 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.attention import SplitKV, splits_kv  # noqa: E402
+from model.attention import SplitKV  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
 from model.device import synchronized_clock  # noqa: E402
 from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
@@ -218,16 +218,17 @@ def sdpa_kernel_name(q, k, v, kwargs: dict) -> str:
     return SDPBackend(choice).name.removesuffix("_ATTENTION").lower()
 
 
-def decode_step_kernels(model: GPT, batch: int) -> list[str]:
+def decode_step_kernels(model: GPT, batch: int, split_kv: bool = False) -> list[str]:
     """The SDPA kernels of the compiled decode step's attention calls (its inputs, its backend
-    priority), one per layer, from an eager run of the same computation."""
+    priority), one per layer, from an eager run of the same computation; with split_kv, those of
+    the calls split-KV attention leaves to SDPA (none where it takes them all)."""
     device = model.wte.weight.device
     cache = model.new_kv_cache(batch)
     cache.advance(cache.max_len // 2)
     token, pad = torch.zeros(batch, 1, dtype=torch.long, device=device), torch.zeros(batch, dtype=torch.long,
                                                                                        device=device)
     priority = sdpa_kernel(decode_backends(device), set_priority=True)
-    with torch.no_grad(), SDPACalls() as calls, priority:
+    with torch.no_grad(), SDPACalls() as calls, priority, SplitKV() if split_kv else contextlib.nullcontext():
         model.logits_at(token, torch.tensor([cache.length], device=device), cache, pad)
     return calls.kernels
 
@@ -593,16 +594,9 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, spl
     return {"tokens/s": batch / (ms / 1e3), "step ms": ms, "floor ms (weights + cache read once)": floor_ms,
             "x floor": ms / floor_ms, "peak GB": peak / 1e9, "held before GB": held_before / 1e9,
             "KV cache per token": model.config.kv_cache_formula(),
-            "attention": "split-KV (FlexAttention)" if split_kv and splits_kv(*head_widths(model.config)) else
-            kernels_text(decode_step_kernels(model, batch)),
+            "attention": kernels_text(decode_step_kernels(model, batch, split_kv)).replace(
+                "no SDPA call", "split-KV (FlexAttention)"),
             "largest kernels (us a step)": top_text(top, 1), "dtype": str(dtype)}
-
-
-def head_widths(config: GPTConfig) -> tuple[int, int]:
-    """(d_k, d_v) of the one-token step's attention: MLA's absorbed latent and RoPE key for both."""
-    if config.mla_latent_dim is not None:
-        return (config.mla_latent_dim + config.mla_rope_dim,) * 2
-    return config.head_dim, config.head_dim
 
 
 def variants_section(results: Results, device: torch.device, smoke: bool) -> None:
