@@ -11,7 +11,8 @@ very same weights, batch 1, for two models, and the val loss each decode precisi
 
 Each row samples `--new` tokens as `python generate.py` does (temperature 0.8, top_k 200):
 "sample s" is one whole sample timed from a freshly loaded model, so it includes every warm-up
-a user waits for (compilation too); "tokens/s" is the steady speed of a repeat. "default" is
+a user waits for (compilation too); "tokens/s" is the steady speed: the median of 5 rounds in which
+every row samples once more, interleaved, and each ratio the median of its rounds'. "default" is
 generate.py with no speed flags (dtype=auto quantize=auto); then with compile=true; "fastest flags"
 are the README's, compile=true quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
@@ -47,6 +48,7 @@ checkpoint is evaluated on its whole val split in each precision.
    first token and decode tokens/s.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -105,8 +107,12 @@ def hf_sample_seconds(hf, prompt, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def compare(title: str, hf, load, new: int) -> None:
-    """One table: transformers, then each of our precisions, each loaded fresh by `load`."""
+def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
+    """One table: transformers, then each of our precisions, each loaded fresh by `load` and timed
+    on its first sample; then `rounds` rounds of one more sample of each, one after another, whose
+    medians are the steady speeds. The ratio is the median over rounds of transformers' time in a
+    round over ours in that round: both measured within seconds of each other, so a slower spell of
+    the machine (this one's speed drifts by up to 2x) slows both sides of a ratio alike."""
     prompt = torch.zeros(1, 1, dtype=torch.long)
     # No end-of-text token (ours never stops early; min_new_tokens would forbid token 0, "\n" in the
     # char vocabulary), and an attention mask, else transformers takes the prompt's 0 for padding.
@@ -116,21 +122,28 @@ def compare(title: str, hf, load, new: int) -> None:
     greedy_hf = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=check,
                             do_sample=False, pad_token_id=0)
     same = (greedy_hf == generate(exact, prompt, check, temperature=0)).float().mean().item()
-    hf_first = hf_sample_seconds(hf, prompt, new)
-    hf_s = hf_sample_seconds(hf, prompt, new)
-    print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
-          f"greedy fp32 tokens equal to transformers' at {same:.1%} of the first {check}\n")
-    print("| decode | sample s (from load, warm-up included) | tokens/s (repeat) | vs transformers |")
-    print("| --- | --- | --- | --- |")
-    print(f"| transformers generate (fp32, KV cache) | {hf_first:.2f} | {new / hf_s:,.0f} | 1.00x / 1.00x |")
+    samplers = {"transformers generate (fp32, KV cache)": lambda: hf_sample_seconds(hf, prompt, new)}
+    first = {name: samplers[name]() for name in samplers}
     for name, (dtype, quantize, compiled) in PRECISIONS.items():
         model = load(dtype, quantize)
         t0 = time.perf_counter()
         step = CompiledDecodeStep(model) if compiled else None  # (compiled when made: timed with the sample)
-        first = time.perf_counter() - t0 + sample_seconds(model, prompt, new, step)
-        again = sample_seconds(model, prompt, new, step)
-        print(f"| ours, {name} | {first:.2f} | {new / again:,.0f} | "
-              f"{hf_first / first:.2f}x / {hf_s / again:.2f}x |")
+        first[f"ours, {name}"] = time.perf_counter() - t0 + sample_seconds(model, prompt, new, step)
+        samplers[f"ours, {name}"] = functools.partial(sample_seconds, model, prompt, new, step)
+    times = {name: [] for name in samplers}
+    for _ in range(rounds):
+        for name, sample in samplers.items():
+            times[name].append(sample())
+    hf_name, median = next(iter(samplers)), lambda v: sorted(v)[len(v) // 2]
+    print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
+          f"greedy fp32 tokens equal to transformers' at {same:.1%} of the first {check}\n")
+    print(f"| decode | sample s (from load, warm-up included) | tokens/s (median of {rounds} interleaved "
+          f"repeats) | vs transformers (first sample / repeats) |")
+    print("| --- | --- | --- | --- |")
+    for name, t in times.items():
+        ratio = median([h / o for h, o in zip(times[hf_name], t)])
+        print(f"| {name} | {first[name]:.2f} | {new / median(t):,.0f} | "
+              f"{first[hf_name] / first[name]:.2f}x / {ratio:.2f}x |")
 
 
 def char_shape(new: int) -> None:
