@@ -45,7 +45,7 @@ ENDLESS = {
 BOUNDED = {
     "full": {}, "mla": ATTENTION["mla"], "shared": ATTENTION["mqa_cla2"],
     "local/global": {"n_layer": 4, "attn_window": 5, "window_pattern": "SSL"},
-    "local/global, sinks, sink logit": {"n_layer": 4, "n_kv_head": 1, "attn_window": 4,
+    "local/global, sinks, sink logit": {"n_layer": 2, "n_kv_head": 1, "attn_window": 4,
                                         "window_pattern": "LS", "attn_sinks": 2, "attn_sink_logit": True},
 }
 # Text whose characters take 2 to 4 bytes of UTF-8 (GPT-2's BPE cuts ’ and “ into two tokens).
