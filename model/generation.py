@@ -411,10 +411,10 @@ class CompiledDecodeStep:
     asked (its split-KV attention would compile, seconds at start, for ~0.1 s over 500 tokens of
     the char model). On a CPU it reads the slots written so far, as the eager step does, in a graph
     compiled once for any number of them (one dynamic dimension), called with no guard of
-    torch.compile's checked (as a CUDA graph checks none: the step is its model's and its cache's). Reading every slot, a CPU's
-    compiled step of 100 new tokens a row at batch 64 in a block of 1,024 ran 900 tokens/s, now
-    27,557 (the eager step: 12,254). The step is built and run once when made (compiling,
-    capturing), so that whatever that prints comes before a sample's text."""
+    torch.compile's checked (as a CUDA graph checks none: the step is its model's and its cache's).
+    Reading every slot, a CPU's compiled step of 100 new tokens a row at batch 64 in a block of
+    1,024 ran 900 tokens/s, now 27,557 (the eager step: 12,254). The step is built and run once
+    when made (compiling, capturing), so that whatever that prints comes before a sample's text."""
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
                  split_kv: bool | None = None):

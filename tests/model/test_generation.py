@@ -272,6 +272,19 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
     assert [t.tolist() for t in compiled] == [t.tolist() for t in eager]
 
 
+@pytest.mark.parametrize("block_size", [2, 3])
+def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(block_size):
+    """Blocks so short that a refill keeps no token (block_size // 2 - 1 = 0): the next step reads
+    one slot, a size the step's graph was not compiled for and is not called with (it runs no guard
+    that would catch it): the eager step's tokens, sampled and greedy, refilling many times over."""
+    model = tiny_model(block_size=block_size)
+    step = CompiledDecodeStep(model, batch_size=2, backend="aot_eager")
+    for sampling in ({"temperature": 0}, {"temperature": 1.0}):
+        eager, compiled = (generate(model, [[1, 2], [2, 3]], 12, decode_step=d, **sampling,
+                                    generator=torch.Generator().manual_seed(0)) for d in (None, step))
+        assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], sampling
+
+
 def test_the_decode_backends_never_hold_cudnn():
     """sdpa_kernel takes a list of SDPBackend members (the enum itself is not iterable). cuDNN, which
     builds a plan per exact shape, is never one; flash comes first (on a CPU, the compiled step's
