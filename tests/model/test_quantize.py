@@ -123,7 +123,8 @@ def logits_along(model, tokens, T, kv_cache, decode_step):
     one-token steps into a cache (a compiled step's own static one)."""
     if not kv_cache:
         return model(tokens[:, :-1])[:, T - 1:]
-    cache = decode_step.cache if decode_step else model.new_kv_cache(tokens.size(0), tokens.size(1))
+    # the cache holds every token but the last, which is not fed
+    cache = decode_step.cache if decode_step else model.new_kv_cache(tokens.size(0), tokens.size(1) - 1)
     cache.reset()
     logits = [model(tokens[:, :T], kv_cache=cache)[:, -1]]                 # (B, vocab)
     for i in range(T, tokens.size(1) - 1):
@@ -141,8 +142,10 @@ COMPILED = {("float32", None), ("bfloat16", "int8")}
 def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path):
     """dtype x quantize x compile x kv_cache, the model loaded as generate.py loads it. One layer
     of the main job's model: every layer shape of it, and two compiles (COMPILED); the compiled
-    int8-weights step keeps its cache in int8 too (inductor's code for reading an int8 cache)."""
-    config = main_job_config(n_layer=1)
+    int8-weights step keeps its cache in int8 too (inductor's code for reading an int8 cache). A
+    block of 14: the last of the 10 new tokens after 5 is computed over the whole cache, which the
+    compiled step's graph reads as it reads any number of slots."""
+    config = main_job_config(n_layer=1, block_size=14)
     torch.manual_seed(0)
     checkpoint.save(tmp_path / "best.pt", Checkpoint(model=GPT(config).state_dict(), model_config=config,
                                                      data_meta={"tokenizer": "char", "vocab": None}))
