@@ -12,7 +12,8 @@ very same weights, batch 1, for two models, and the val loss each decode precisi
 Each row samples `--new` tokens as `python generate.py` does (temperature 0.8, top_k 200):
 "sample s" is one whole sample timed from a freshly loaded model, so it includes every warm-up
 a user waits for (compilation too); "tokens/s" is the steady speed: the median of 5 rounds in which
-every row samples once more, interleaved, and each ratio the median of its rounds'. "default" is
+every row samples once more, interleaved (with the garbage collector off, as timeit times), and
+each ratio the median of its rounds'. "default" is
 generate.py with no speed flags (dtype=auto quantize=auto); then with compile=true; "fastest flags"
 are the README's, compile=true quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
@@ -49,6 +50,7 @@ checkpoint is evaluated on its whole val split in each precision.
 """
 
 import functools
+import gc
 import os
 import re
 import subprocess
@@ -107,12 +109,25 @@ def hf_sample_seconds(hf, prompt, new: int) -> float:
     return time.perf_counter() - t0
 
 
+def without_gc(sample) -> float:
+    """sample(), timed as timeit times: after a collection, with the collector off. A collection of
+    the whole heap (torch's and transformers' objects: ~0.1-0.4 s here) otherwise lands in whichever
+    row allocated last, one row of a round 1.4x slower than its identical twin."""
+    gc.collect()
+    gc.disable()
+    try:
+        return sample()
+    finally:
+        gc.enable()
+
+
 def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     """One table: transformers, then each of our precisions, each loaded fresh by `load` and timed
     on its first sample; then `rounds` rounds of one more sample of each, one after another, whose
-    medians are the steady speeds. The ratio is the median over rounds of transformers' time in a
-    round over ours in that round: both measured within seconds of each other, so a slower spell of
-    the machine (this one's speed drifts by up to 2x) slows both sides of a ratio alike."""
+    medians are the steady speeds (`without_gc`). The ratio is the median over rounds of
+    transformers' time in a round over ours in that round: both measured within seconds of each
+    other, so a slower spell of the machine (this one's speed drifts by up to 2x) slows both sides
+    of a ratio alike."""
     prompt = torch.zeros(1, 1, dtype=torch.long)
     # No end-of-text token (ours never stops early; min_new_tokens would forbid token 0, "\n" in the
     # char vocabulary), and an attention mask, else transformers takes the prompt's 0 for padding.
@@ -133,7 +148,7 @@ def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     times = {name: [] for name in samplers}
     for _ in range(rounds):
         for name, sample in samplers.items():
-            times[name].append(sample())
+            times[name].append(without_gc(sample))
     hf_name, median = next(iter(samplers)), lambda v: sorted(v)[len(v) // 2]
     print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
           f"greedy fp32 tokens equal to transformers' at {same:.1%} of the first {check}\n")
