@@ -3,6 +3,7 @@ at config time with a message that names the field."""
 
 import dataclasses
 import functools
+import itertools
 import math
 import typing
 
@@ -22,6 +23,8 @@ from tests.helpers import ROOT, assert_one_line_error, compose, run_in_process
 from training.options import TrainConfig, check_fits, training_step_bytes
 
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs" / "experiment").glob("*.yaml"))
+ATTENTION_YAMLS = sorted((ROOT / "configs" / "attention").glob("*.yaml"))
+ATTENTIONS = [p.stem for p in ATTENTION_YAMLS]
 SCHEMAS = [  # (a YAML file, the node in it, the dataclass it mirrors)
     ("model/base.yaml", None, GPTConfig),
     ("train/default.yaml", None, TrainConfig),
@@ -53,9 +56,20 @@ def test_model_presets_only_set_gpt_config_fields():
         assert set(yaml.safe_load(preset.read_text())) - {"defaults"} <= fields, preset
 
 
-@pytest.mark.parametrize("experiment", EXPERIMENTS)
-@pytest.mark.parametrize("attention", ["mha", "gqa", "mqa", "mla", "mqa_cla2"])
-def test_every_experiment_composes(experiment, attention):
+def test_no_experiment_sets_what_the_attention_group_sets():
+    """The attention group's keys are its own: no experiment sets one or overrides the group, so
+    each experiment composes with every attention option as with the one it is tested with below."""
+    attention_keys = set().union(*(yaml.safe_load(p.read_text()) for p in ATTENTION_YAMLS))
+    assert {"n_kv_head", "mla_latent_dim", "kv_share"} <= attention_keys
+    assert len(EXPERIMENTS) >= len(ATTENTIONS)  # below, each option composes with an experiment
+    for name in EXPERIMENTS:
+        recipe = yaml.safe_load((ROOT / "configs" / "experiment" / f"{name}.yaml").read_text())
+        assert not attention_keys & set(recipe.get("model", {})), name
+        assert not any("attention" in str(entry) for entry in recipe.get("defaults", [])), name
+
+
+@pytest.mark.parametrize("experiment, attention", list(zip(EXPERIMENTS, itertools.cycle(ATTENTIONS))))
+def test_every_experiment_and_attention_option_composes(experiment, attention):
     cfg = compose(f"experiment={experiment}", f"attention={attention}")
     config = model_config(cfg.model, vocab_size=65)
     expected = {"mha": (config.n_head, None, 1), "gqa": (2, None, 1), "mqa": (1, None, 1),
