@@ -12,10 +12,10 @@ very same weights, batch 1, for two models, and the val loss each decode precisi
 Each row samples `--new` tokens as `python generate.py` does (temperature 0.8, top_k 200):
 "sample s" is one whole sample timed from a freshly loaded model, so it includes every warm-up
 a user waits for (compilation too); "tokens/s" is the steady speed: the median of 5 rounds in which
-every row samples once more, interleaved (with the garbage collector off, as timeit times), and
-each ratio the median of its rounds'. "default" is
-generate.py with no speed flags (dtype=auto quantize=auto); then with compile=true; "fastest flags"
-are the README's, compile=true quantize=int8 dtype=bfloat16.
+every row samples once more, interleaved (each after a collection of the whole heap), and each
+ratio the median of its rounds'. "default" is generate.py with no speed flags (dtype=auto
+quantize=auto); then with compile=true; "fastest flags" are the README's, compile=true
+quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
 
@@ -109,22 +109,18 @@ def hf_sample_seconds(hf, prompt, new: int) -> float:
     return time.perf_counter() - t0
 
 
-def without_gc(sample) -> float:
-    """sample(), timed as timeit times: after a collection, with the collector off. A collection of
-    the whole heap (torch's and transformers' objects: ~0.1-0.4 s here) otherwise lands in whichever
-    row allocated last, one row of a round 1.4x slower than its identical twin."""
+def collected_first(sample) -> float:
+    """sample(), after a collection of the whole heap: a row then pays for the collections its own
+    objects cause (transformers' generate makes many), never for the garbage of the rows before it
+    (one of two identical rows of a round ran 1.4x slower for that)."""
     gc.collect()
-    gc.disable()
-    try:
-        return sample()
-    finally:
-        gc.enable()
+    return sample()
 
 
 def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     """One table: transformers, then each of our precisions, each loaded fresh by `load` and timed
     on its first sample; then `rounds` rounds of one more sample of each, one after another, whose
-    medians are the steady speeds (`without_gc`). The ratio is the median over rounds of
+    medians are the steady speeds (each `collected_first`). The ratio is the median over rounds of
     transformers' time in a round over ours in that round: both measured within seconds of each
     other, so a slower spell of the machine (this one's speed drifts by up to 2x) slows both sides
     of a ratio alike."""
@@ -148,7 +144,7 @@ def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     times = {name: [] for name in samplers}
     for _ in range(rounds):
         for name, sample in samplers.items():
-            times[name].append(without_gc(sample))
+            times[name].append(collected_first(sample))
     hf_name, median = next(iter(samplers)), lambda v: sorted(v)[len(v) // 2]
     print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
           f"greedy fp32 tokens equal to transformers' at {same:.1%} of the first {check}\n")
