@@ -221,7 +221,7 @@ def test_sampling_options_name_themselves(option, value, message):
 def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
     of new tokens, past block_size (32) too: one graph, never recompiled, though on a CPU it reads
-    the slots written so far (their number its dynamic size; the whole cache's step eager); the
+    the slots written so far (their number its dynamic size, the whole cache's too); the
     cache's buffers are the same ones throughout; the tokens are the eager step's, greedy and
     seeded. A second step (a window model's int8 ring, which reads every slot: static shapes) is a
     second graph, not a recompile. Both are traced by dynamo
