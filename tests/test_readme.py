@@ -22,10 +22,12 @@ TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train
                  "train.compile=false", "train.full_val=false"]
 APPENDED = {  # what each command line gets appended (last wins in Hydra's overrides)
     "train.py": TINY_TRAINING,
-    # batch 16: each run scores the whole val split, batch_size windows at a time (batch 2: 1,743 passes)
+    # batch 16: each run scores the whole val split, batch_size windows at a time (batch 2: 1,743 passes);
+    # no windowed runs (3 runs and the loss by position of 3: ~70% of the command; test_study's run has them)
     "benchmarks/attention_study.py": [*TINY_TRAINING, "train.batch_size=16", "study.variants=[mha]",
                                       "study.seeds=[0]", "study.uptrain_iters=2", "study.decode_context=32",
-                                      "study.decode_batch_sizes=[1,2]"],
+                                      "study.decode_batch_sizes=[1,2]", "study.window=[]",
+                                      "study.local_global=[]", "study.sinks=[]"],
     "generate.py": ["max_new_tokens=8"],
 }
 SKIPPED = ("pip ", "pytest")  # the environment is installed already, and the suite is running
