@@ -53,6 +53,7 @@ import functools
 import gc
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -133,8 +134,9 @@ def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     greedy_hf = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=check,
                             do_sample=False, pad_token_id=0)
     same = (greedy_hf == generate(exact, prompt, check, temperature=0)).float().mean().item()
-    samplers = {"transformers generate (fp32, KV cache)": lambda: hf_sample_seconds(hf, prompt, new)}
-    first = {name: samplers[name]() for name in samplers}
+    hf_name = "transformers generate (fp32, KV cache)"
+    samplers = {hf_name: functools.partial(hf_sample_seconds, hf, prompt, new)}
+    first = {hf_name: samplers[hf_name]()}
     for name, (dtype, quantize, compiled) in PRECISIONS.items():
         model = load(dtype, quantize)
         t0 = time.perf_counter()
@@ -145,15 +147,14 @@ def compare(title: str, hf, load, new: int, rounds: int = 5) -> None:
     for _ in range(rounds):
         for name, sample in samplers.items():
             times[name].append(collected_first(sample))
-    hf_name, median = next(iter(samplers)), lambda v: sorted(v)[len(v) // 2]
     print(f"\n### {title}: batch 1, {new} new tokens, {torch.get_num_threads()} threads; "
           f"greedy fp32 tokens equal to transformers' at {same:.1%} of the first {check}\n")
     print(f"| decode | sample s (from load, warm-up included) | tokens/s (median of {rounds} interleaved "
           f"repeats) | vs transformers (first sample / repeats) |")
     print("| --- | --- | --- | --- |")
     for name, t in times.items():
-        ratio = median([h / o for h, o in zip(times[hf_name], t)])
-        print(f"| {name} | {first[name]:.2f} | {new / median(t):,.0f} | "
+        ratio = statistics.median(h / o for h, o in zip(times[hf_name], t))
+        print(f"| {name} | {first[name]:.2f} | {new / statistics.median(t):,.0f} | "
               f"{first[hf_name] / first[name]:.2f}x / {ratio:.2f}x |")
 
 
