@@ -23,6 +23,9 @@ decode     batch-1 decode of the char model (6/6/384) and GPT-2 124M's shape (ra
 variants   MHA, GQA, MQA and MLA at GPT-2 small width, block 1024: the one-token step at a full
            cache at batch 1, 16, 64 and 256 (replayed as a CUDA graph): tokens/s, peak memory and
            the SDPA kernel, plotted.
+inductor   the compiled decode step built under sets of inductor's options (`--levers`, one set a
+           process): batch-1 tokens/s, build time, GPU busy time, kernels a token and the greedy
+           tokens of each decode shape, and the batch-256 split-KV step of MQA and MHA.
 profile    where a step's time goes: wall time against the GPU's busy time (the kernels' summed
            time, from the profiler) for the recipe's compiled training step and batch-1 decoding;
            each profile's top operations in profile_*.txt.
@@ -38,6 +41,7 @@ import contextlib
 import copy
 import faulthandler
 import gc
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -115,7 +119,8 @@ VARIANTS = {  # at GPT-2 small width (12 heads of 64): K/V heads, or MLA's laten
     "MLA": {"mla_latent_dim": 256, "mla_rope_dim": 32},  # DeepSeek-V2's 4x and 0.5x the head width
 }
 BATCHES = [1, 16, 64, 256]
-SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "profile", "coldstart", "exactness"]
+SECTIONS = ["probe", "train", "optimizer", "decode", "variants", "inductor", "profile", "coldstart",
+            "exactness"]
 
 
 # ----------------------------------------------------------------------------- results, as they come
@@ -634,6 +639,76 @@ def plot_variants(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+# ----------------------------------------------------------------------------- inductor
+
+INDUCTOR_OPTIONS = {  # name: torch._inductor.config settings the compiled step is built under
+    "default": {},
+    # Programmatic dependent launch: each Triton kernel starts while the one before it ends (Hopper)
+    "pdl": {"triton.enable_pdl": True},
+    # Each Triton kernel's block sizes and warps tuned by timing its neighbours (gpt-fast's setting)
+    "coordinate-descent+pdl": {"coordinate_descent_tuning": True, "triton.enable_pdl": True},
+    # Matrix products (and FlexAttention's decoding kernel) chosen by timing Triton's templates
+    # against cuBLAS, with what follows a product fused into it where that times faster
+    "max-autotune+coordinate-descent+pdl": {"max_autotune": True, "coordinate_descent_tuning": True,
+                                            "triton.enable_pdl": True},
+}
+INDUCTOR_VARIANTS = ["MQA", "MHA"]  # batch 256, split-KV: the furthest from its floor and the nearest
+
+
+def inductor_section(results: Results, device: torch.device, smoke: bool, names: list[str]) -> None:
+    """The compiled step built under each set of inductor's options (`--levers`, INDUCTOR_OPTIONS):
+    batch-1 decode of each shape (tokens/s, seconds to build, GPU busy time, kernels a token, the
+    greedy tokens) and the batch-256 split-KV step of INDUCTOR_VARIANTS (its FlexAttention kernel
+    compiled under the options). One set per process is the fair comparison: inductor keeps what it
+    tuned for the process's life."""
+    import torch._inductor.config as inductor_config  # (slow to import: only where it is used)
+
+    copy_gbs = ceilings(device, smoke)["copy GB/s"]
+    for lever in names:
+        options = INDUCTOR_OPTIONS[lever]
+        for name, shape in DECODE_SHAPES.items():
+            def decode(shape=shape, options=options, label=f"inductor {lever} {name}"):
+                profile = results.out / re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
+                return {"options": options, **inductor_decode_row(decode_shape(shape, smoke), device, smoke,
+                                                                  inductor_config.patch(options), profile)}
+            measure(results, "inductor", f"{lever}: {name}", decode)
+        for variant in INDUCTOR_VARIANTS:
+            def row(variant=variant, options=options):
+                with inductor_config.patch(options):
+                    batch = 4 if smoke else 256
+                    return {"options": options, "batch": batch, **variant_row(
+                        VARIANTS[variant], batch, device, smoke, True, copy_gbs)}
+            measure(results, "inductor", f"{lever}: {variant}, batch 256, split-KV", row)
+
+
+def inductor_decode_row(shape: tuple, device: torch.device, smoke: bool, options, profile: Path) -> dict:
+    """decode_row's compiled step alone, built under `options` (a context): its tokens/s, its build
+    time (compiling, tuning, capturing), its profile (its kernels in profile_<label>.txt: `profile`
+    is out/<label>), and a digest of its greedy tokens, equal
+    across option sets when every kernel rounds alike, and whether they equal the eager step's."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    _, ours = decode_models(shape, device)
+    ours = ours.to(dtype)
+    new = 16 if smoke else min(500, shape[1] - 2)
+    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
+    clock = synchronized_clock(device)
+    t0 = clock()
+    with options:
+        step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
+        tokens = generate(ours, prompt, new, temperature=0, decode_step=step)  # (1, 1 + new)
+    build_s = clock() - t0
+    sample = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)  # noqa: E731
+    ms = timed_ms(sample, device, repeat=3, warmup=1)
+    busy_ms, kernels, top = profiled(sample, profile.parent, profile.name, device)
+    eager = generate(ours, prompt, new, temperature=0)
+    digest = hashlib.sha1(str(tokens.tolist()).encode()).hexdigest()[:10]
+    return {"tokens/s": new / (ms / 1e3), "build s": build_s, "GPU busy ms/token": busy_ms / new,
+            "kernels/token": kernels / new, "largest kernels (us a token)": top_text(top, new),
+            "greedy tokens (sha1)": digest,
+            "same greedy tokens as the eager step": torch.equal(tokens, eager),
+            "dtype": str(dtype), "new tokens": new}
+
+
 # ----------------------------------------------------------------------------- profile
 
 def profile_section(results: Results, device: torch.device, smoke: bool) -> None:
@@ -1059,7 +1134,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--section", nargs="+", choices=SECTIONS, default=SECTIONS)
     parser.add_argument("--levers", nargs="+", default=None,
                         help=f"train: groups ({', '.join(LEVER_GROUPS)}), lever names, or 'key=value ...'; "
-                             f"coldstart: groups ({', '.join(COLD_GROUPS)}) or lever names")
+                             f"coldstart: groups ({', '.join(COLD_GROUPS)}) or lever names; inductor: "
+                             f"sets of options ({', '.join(INDUCTOR_OPTIONS)})")
     parser.add_argument("--sampling", choices=["all", "default", "none"], default="all",
                         help="coldstart: the sampling rows after training (default: generate.py's "
                              "default alone)")
@@ -1080,12 +1156,16 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("error: no CUDA device: run it on a GPU, or with --smoke")
-    if "train" in args.section and "coldstart" in args.section and args.levers:
-        sys.exit("error: --levers: run the train and coldstart sections in separate commands")
+    if sum(s in args.section for s in ("train", "coldstart", "inductor")) > 1 and args.levers:
+        sys.exit("error: --levers: run the train, coldstart and inductor sections in separate commands")
     levers = "train" in args.section and lever_overrides(
         args.levers or (SMOKE_LEVERS if args.smoke else list(LEVERS)))
     cold = "coldstart" in args.section and cold_lever_names(
         args.levers or (SMOKE_COLD if args.smoke else ["first"]))
+    inductor = "inductor" in args.section and (args.levers or list(INDUCTOR_OPTIONS))
+    if inductor and (unknown := [n for n in inductor if n not in INDUCTOR_OPTIONS]):
+        sys.exit(f"error: --levers: {unknown[0]!r} is not a set of inductor's options "
+                 f"({', '.join(INDUCTOR_OPTIONS)})")
     results = Results(args.out)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU (smoke: the numbers mean nothing)"
     bytecode = (Path(torch.__file__).parent / "__pycache__").is_dir(), not sys.dont_write_bytecode
@@ -1098,6 +1178,7 @@ def main(argv=None) -> list[dict]:
          "optimizer": lambda: optimizer_section(results, device, args.smoke),
          "decode": lambda: decode_section(results, device, args.smoke, args.shapes),
          "variants": lambda: variants_section(results, device, args.smoke),
+         "inductor": lambda: inductor_section(results, device, args.smoke, inductor),
          "profile": lambda: profile_section(results, device, args.smoke),
          "coldstart": lambda: coldstart_section(results, cold, args.smoke, args.against, args.sampling),
          "exactness": lambda: exactness_section(results, device)}[section]()
