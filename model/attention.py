@@ -184,12 +184,13 @@ def flex_decode(q, k, v, score_mod=None, scale=None, lse=False):
     return out, aux.lse
 
 
-# How split-KV's kernel is compiled on CUDA (here and in the compiled decode step): inductor times
+# How split-KV's kernel is compiled on its own (eager and CUDA-graph steps on CUDA): inductor times
 # the decoding kernel's configurations (keys a block, pipeline stages, warps) for each shape and keeps
 # the fastest (max-autotune), where its default (64 keys a block, 1 stage, 2 warps) keeps little in
-# flight. On an H200 at GPT-2 width and batch 256, MHA's step went from 42,228 to 69,065 tokens/s and
-# MQA's from 141,686 to 185,963. Matrix products stay cuBLAS's (ATEN): with Triton's templates timed
-# too, PyTorch 2.11 failed to compile the decode step.
+# flight. On an H200 at GPT-2 width and batch 256, MHA's step went from 42,228 to 68,804 tokens/s and
+# MQA's from 141,686 to 186,000. Matrix products stay cuBLAS's (ATEN). Inside the compiled step's
+# graph the same options failed to compile with PyTorch 2.11 (its timing run of the kernel was
+# launched without one of its grid's sizes), so that graph keeps the default configuration.
 SPLIT_KV_COMPILE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}
 
 

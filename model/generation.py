@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.attention import SPLIT_KV_COMPILE_OPTIONS, SplitKV
+from model.attention import SplitKV
 from model.checkpoint import load, load_weights
 from model.config import check_integer, is_real
 from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device, synchronized_clock
@@ -472,8 +472,6 @@ class CompiledDecodeStep:
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         if backend == "inductor" and self.token.device.type == "cpu":
             options["cpp_wrapper"] = True
-        elif backend == "inductor" and self.split_kv:  # its split-KV kernel tuned as when compiled alone
-            options |= SPLIT_KV_COMPILE_OPTIONS
         # dynamic=None: a size that changes is compiled as a dynamic one (only `slots`' can)
         return torch.compile(logits_at, backend=backend, dynamic=None if self.slots is not None else False,
                              fullgraph=True, options=options)
