@@ -184,16 +184,6 @@ def flex_decode(q, k, v, score_mod=None, scale=None, lse=False):
     return out, aux.lse
 
 
-# How split-KV's kernel is compiled on its own (eager and CUDA-graph steps on CUDA): inductor times
-# the decoding kernel's configurations (keys a block, pipeline stages, warps) for each shape and keeps
-# the fastest (max-autotune), where its default (64 keys a block, 1 stage, 2 warps) keeps little in
-# flight. On an H200 at GPT-2 width and batch 256, MHA's step went from 42,228 to 68,804 tokens/s and
-# MQA's from 141,686 to 186,000. Matrix products stay cuBLAS's (ATEN). Inside the compiled step's
-# graph the same options failed to compile with PyTorch 2.11 (its timing run of the kernel was
-# launched without one of its grid's sizes), so that graph keeps the default configuration.
-SPLIT_KV_COMPILE_OPTIONS = {"max_autotune": True, "max_autotune_gemm_backends": "ATEN"}
-
-
 @functools.cache
 def compiled_flex_attention(shapes: tuple):
     """FlexAttention compiled for one call's shapes and options (`shapes`, the cache's key), for
@@ -204,7 +194,14 @@ def compiled_flex_attention(shapes: tuple):
         return flex_decode(*args, **kwargs)
 
     flex.__code__ = flex.__code__.replace()
-    return torch.compile(flex, dynamic=False, fullgraph=True, options=SPLIT_KV_COMPILE_OPTIONS)
+    # Inductor times the decoding kernel's configurations (keys a block, pipeline stages, warps) for
+    # this shape and keeps the fastest (max-autotune; matrix products, none here, would stay cuBLAS's):
+    # its default (64 keys a block, 1 stage, 2 warps) keeps little in flight. On an H200 at GPT-2
+    # width and batch 256, MHA's step went from 42,228 to 68,804 tokens/s, MQA's from 141,686 to
+    # 186,000. (Inside the compiled step's graph the same option failed to compile with PyTorch 2.11:
+    # that graph keeps the default configuration.)
+    return torch.compile(flex, dynamic=False, fullgraph=True,
+                         options={"max_autotune": True, "max_autotune_gemm_backends": "ATEN"})
 
 
 def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
