@@ -670,11 +670,10 @@ def inductor_section(results: Results, device: torch.device, smoke: bool, names:
     for lever in names:
         options = INDUCTOR_OPTIONS[lever]
         for name, shape in DECODE_SHAPES.items():
-            def decode(shape=shape, options=options, label=f"inductor {lever} {name}"):
-                profile = results.out / re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
-                return {"options": options, **inductor_decode_row(decode_shape(shape, smoke), device, smoke,
-                                                                  inductor_config.patch(options), profile)}
-            measure(results, "inductor", f"{lever}: {name}", decode)
+            label = f"{lever}: {name}"
+            measure(results, "inductor", label, lambda label=label, shape=shape, options=options: {
+                "options": options, **profile_decode(results.out, f"inductor {label}", shape, device, smoke,
+                                                     options)})
         for variant in INDUCTOR_VARIANTS:
             def row(variant=variant, options=options):
                 with inductor_config.patch(options):
@@ -682,34 +681,6 @@ def inductor_section(results: Results, device: torch.device, smoke: bool, names:
                     return {"options": options, "batch": batch, **variant_row(
                         VARIANTS[variant], batch, device, smoke, True, copy_gbs)}
             measure(results, "inductor", f"{lever}: {variant}, batch 256, split-KV", row)
-
-
-def inductor_decode_row(shape: tuple, device: torch.device, smoke: bool, options, profile: Path) -> dict:
-    """decode_row's compiled step alone, built under `options` (a context): its tokens/s, its build
-    time (compiling, tuning, capturing), its profile (its kernels in profile_<label>.txt: `profile`
-    is out/<label>), and a digest of its greedy tokens, equal
-    across option sets when every kernel rounds alike, and whether they equal the eager step's."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    _, ours = decode_models(shape, device)
-    ours = ours.to(dtype)
-    new = 16 if smoke else min(500, shape[1] - 2)
-    prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    clock = synchronized_clock(device)
-    t0 = clock()
-    with options:
-        step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
-        tokens = generate(ours, prompt, new, temperature=0, decode_step=step)  # (1, 1 + new)
-    build_s = clock() - t0
-    sample = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)  # noqa: E731
-    ms = timed_ms(sample, device, repeat=3, warmup=1)
-    busy_ms, kernels, top = profiled(sample, profile.parent, profile.name, device)
-    eager = generate(ours, prompt, new, temperature=0)
-    digest = hashlib.sha1(str(tokens.tolist()).encode()).hexdigest()[:10]
-    return {"tokens/s": new / (ms / 1e3), "build s": build_s, "GPU busy ms/token": busy_ms / new,
-            "kernels/token": kernels / new, "largest kernels (us a token)": top_text(top, new),
-            "greedy tokens (sha1)": digest,
-            "same greedy tokens as the eager step": torch.equal(tokens, eager),
-            "dtype": str(dtype), "new tokens": new}
 
 
 # ----------------------------------------------------------------------------- profile
@@ -723,7 +694,7 @@ def profile_section(results: Results, device: torch.device, smoke: bool) -> None
                 lambda mode=mode: profile_training(results.out, device, smoke, mode))
     for name, shape in DECODE_SHAPES.items():
         measure(results, "profile", f"decode, {name}", lambda name=name, shape=shape: profile_decode(
-            results.out, name, decode_shape(shape, smoke), device, smoke))
+            results.out, f"decode {name}", shape, device, smoke))
 
 
 def profiled(fn, out: Path | None, label: str, device: torch.device) -> tuple[float, int, dict]:
@@ -788,20 +759,36 @@ def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "
             "TFLOP/s": 6 * model.num_params() * batch * config.block_size / ms / 1e9}
 
 
-def profile_decode(out: Path, name: str, shape: tuple, device: torch.device, smoke: bool) -> dict:
-    """Batch-1 greedy decoding with the compiled step (bf16 on CUDA), as the decode section times it."""
+def profile_decode(out: Path, label: str, shape: tuple, device: torch.device, smoke: bool,
+                   options: dict | None = None) -> dict:
+    """Batch-1 greedy decoding with the compiled step (bf16 on CUDA), as the decode section times it,
+    the step built under inductor's `options` (INDUCTOR_OPTIONS): tokens/s, the seconds the step
+    took to build (compiling, tuning, capturing) and its first sample, the profile (its kernels in
+    out/profile_<label>.txt), and a digest of its greedy tokens (equal across options when every
+    kernel rounds alike) and whether they equal the eager step's."""
+    import torch._inductor.config as inductor_config  # (slow to import: only where it is used)
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    _, ours = decode_models(shape, device)
+    _, ours = decode_models(decode_shape(shape, smoke), device)
     ours = ours.to(dtype)
-    step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    new = 8 if smoke else min(200, shape[1] - 2)
-    generate_new = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)
-    ms = timed_ms(generate_new, device, repeat=2) / new
-    label = "decode_" + name.split()[0].lower().replace("-", "")        # decode_char, decode_gpt2
-    gpu_ms, kernels, _ = profiled(generate_new, out, label, device)
-    return {"wall ms/token": ms, "GPU busy ms/token": gpu_ms / new, "kernels/token": kernels / new,
-            "tokens/s": 1e3 / ms}
+    new = 16 if smoke else min(500, shape[1] - 2)
+    clock = synchronized_clock(device)
+    t0 = clock()
+    with inductor_config.patch(options or {}):
+        step = CompiledDecodeStep(ours, backend="aot_eager" if smoke else "inductor")
+        tokens = generate(ours, prompt, new, temperature=0, decode_step=step)  # (1, 1 + new)
+    build_s = clock() - t0
+    generate_new = lambda: generate(ours, prompt, new, temperature=0, decode_step=step)  # noqa: E731
+    ms = timed_ms(generate_new, device, repeat=3, warmup=1) / new
+    gpu_ms, kernels, top = profiled(generate_new, out, re.sub(r"[^a-z0-9]+", "_", label.lower()), device)
+    digest = hashlib.sha1(str(tokens.tolist()).encode()).hexdigest()[:10]
+    eager = generate(ours, prompt, new, temperature=0)
+    return {"tokens/s": 1e3 / ms, "wall ms/token": ms, "build s": build_s, "GPU busy ms/token": gpu_ms / new,
+            "kernels/token": kernels / new, "largest kernels (us a token)": top_text(top, new),
+            "greedy tokens (sha1)": digest,
+            "same greedy tokens as the eager step": torch.equal(tokens, eager),
+            "dtype": str(dtype), "new tokens": new}
 
 
 # ----------------------------------------------------------------------------- coldstart
