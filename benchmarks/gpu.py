@@ -551,13 +551,14 @@ def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 10
 
 
 def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, split_kv: bool,
-                copy_gbs: float) -> dict:
+                copy_gbs: float, backend: str = "cuda_graph") -> dict:
     """tokens/s and peak memory of the one-token step at the last slot of a full cache (filled
     with random values: a prefill would cost far more than the measurement), which reads every
-    slot as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is
-    captured once as a CUDA graph and replayed (no compile of the step: 32 of them would take
-    minutes; split-KV's kernel is compiled, once per shape); on the CPU it runs eagerly. Against the
-    floor: the time its weights and cache take to read once at copy_gbs (a device copy's rate)."""
+    slot as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is the
+    CompiledDecodeStep of `backend`: the eager step captured as a CUDA graph (no compile of the
+    step: 32 of them would take minutes; split-KV's kernel is compiled, once per shape), or
+    inductor's, and its graph replayed; on the CPU it runs eagerly. Against the floor: the time its
+    weights and cache take to read once at copy_gbs (a device copy's rate)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     held_before = 0
     if device.type == "cuda":  # the earlier rows' models, caches and graphs freed first: on the first
@@ -566,30 +567,21 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, spl
         torch.cuda.reset_peak_memory_stats(device)
         held_before = torch.cuda.memory_allocated(device)
     model = variant_model(fields, device, dtype, smoke)
-    cache = model.new_kv_cache(batch)
+    if device.type == "cuda":
+        decode = CompiledDecodeStep(model, batch, backend=backend, split_kv=split_kv)
+        cache, step = decode.cache, decode.graph.replay
+        decode.input_pos.fill_(cache.max_len - 1)
+    else:
+        cache = model.new_kv_cache(batch)
+        token = torch.zeros(batch, 1, dtype=torch.long)
+        pad, input_pos = torch.zeros(batch, dtype=torch.long), torch.tensor([cache.max_len - 1])
+        split = SplitKV() if split_kv else contextlib.nullcontext()
+
+        def step():
+            with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True), split:
+                return model.logits_at(token, input_pos, cache, pad)
     for t in cache.buffers:
         t.normal_()
-    token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    pad, input_pos = torch.zeros(batch, dtype=torch.long, device=device), torch.tensor([cache.max_len - 1],
-                                                                                       device=device)
-    split = SplitKV() if split_kv else contextlib.nullcontext()
-
-    def one_step():
-        with torch.no_grad(), sdpa_kernel(decode_backends(device), set_priority=True), split:
-            return model.logits_at(token, input_pos, cache, pad)
-
-    step = one_step
-    if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())  # the model and cache, made on the current one
-        with torch.cuda.stream(stream):
-            for _ in range(3):  # warm-up, as capturing needs
-                one_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            one_step()
-        step = graph.replay
     steps = 4 if smoke else 32
     ms = timed_ms(lambda: [step() for _ in range(steps)], device, repeat=2) / steps
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else \
@@ -652,6 +644,11 @@ INDUCTOR_OPTIONS = {  # name: torch._inductor.config settings the compiled step 
     # PyTorch 2.11 (2026-11-27, H200) the step failed to compile (its decoding kernel's timing run)
     "max-autotune+coordinate-descent+pdl": {"max_autotune": True, "coordinate_descent_tuning": True,
                                             "triton.enable_pdl": True},
+    # The matrix products alone chosen so (FlexAttention's kernel keeps the configuration the step
+    # gives it: model.attention.decode_kernel_options): Triton's templates with a bias, GELU or
+    # residual fused in, against cuBLAS, at batch 1 and at 256
+    "max-autotune-gemm": {"max_autotune_gemm": True},
+    "max-autotune-gemm+coordinate-descent": {"max_autotune_gemm": True, "coordinate_descent_tuning": True},
 }
 INDUCTOR_VARIANTS = ["MQA", "MHA"]  # batch 256, split-KV: the furthest from its floor and the nearest
 
@@ -659,11 +656,11 @@ INDUCTOR_VARIANTS = ["MQA", "MHA"]  # batch 256, split-KV: the furthest from its
 def inductor_section(results: Results, device: torch.device, smoke: bool, names: list[str]) -> None:
     """The compiled step built under each set of inductor's options (`--levers`, INDUCTOR_OPTIONS):
     batch-1 decode of each shape (tokens/s, seconds to build, GPU busy time, kernels a token, the
-    greedy tokens) and the batch-256 split-KV step of INDUCTOR_VARIANTS (its FlexAttention kernel
-    compiled under the options too, and always tuned: `compiled_flex_attention`). One set per
-    process is the fair comparison: inductor keeps what it tuned for the process's life.
-    (2026-11-27, H200: PDL and coordinate descent changed nothing; max-autotune failed to compile
-    the step, and tuned alone, split-KV's kernel ran 1.3-1.6x faster at batch 256.)"""
+    greedy tokens) and the batch-256 split-KV step of INDUCTOR_VARIANTS, compiled under the options
+    too (its FlexAttention kernel in decode_kernel_options' configuration; until 2026-11-27's second
+    rental these rows were the eager step captured). One set per process is the fair comparison:
+    inductor keeps what it tuned for the process's life. (2026-11-27, H200: PDL and coordinate
+    descent changed nothing; max-autotune failed to compile the step.)"""
     import torch._inductor.config as inductor_config  # (slow to import: only where it is used)
 
     copy_gbs = ceilings(device, smoke)["copy GB/s"]
@@ -679,7 +676,7 @@ def inductor_section(results: Results, device: torch.device, smoke: bool, names:
                 with inductor_config.patch(options):
                     batch = 4 if smoke else 256
                     return {"options": options, "batch": batch, **variant_row(
-                        VARIANTS[variant], batch, device, smoke, True, copy_gbs)}
+                        VARIANTS[variant], batch, device, smoke, True, copy_gbs, backend="inductor")}
             measure(results, "inductor", f"{lever}: {variant}, batch 256, split-KV", row)
 
 

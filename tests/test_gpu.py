@@ -127,6 +127,20 @@ def test_split_kv_attention_in_bf16_at_gpt2_width_is_within_bf16_rounding(varian
     """GPT-2 small width in bf16, batch 4, a full cache of random numbers: the step's logits with
     split-KV attention as far from the naive backend's as SDPA's are, give or take half (bf16
     rounding through 12 layers: a relative norm of ~1.2% for both on a CPU's references)."""
+    split_error, sdpa_error = split_kv_and_sdpa_errors(variant, compiled=False)
+    assert split_error <= 1.5 * sdpa_error and sdpa_error < 3e-2, (split_error, sdpa_error)
+
+
+def test_split_kv_inside_a_compiled_step_in_bf16_at_gpt2_width_is_within_bf16_rounding():
+    """As above for MHA, the step compiled with inductor: 48 rows (4 x 12 heads), so its decoding
+    kernel runs the configuration of model.attention.decode_kernel_options (tiles of 128 keys, 3
+    stages), not the one tuned for its shape."""
+    split_error, sdpa_error = split_kv_and_sdpa_errors("MHA", compiled=True)
+    assert split_error <= 1.5 * sdpa_error and sdpa_error < 3e-2, (split_error, sdpa_error)
+
+
+def split_kv_and_sdpa_errors(variant: str, compiled: bool) -> tuple[float, float]:
+    """(split-KV's, SDPA's) relative distance from the naive backend's logits, as the tests above say."""
     model = variant_model(VARIANTS[variant], CUDA, torch.bfloat16, smoke=False)
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).to(CUDA, torch.bfloat16).eval()
     naive.load_state_dict(model.state_dict())
@@ -135,14 +149,26 @@ def test_split_kv_attention_in_bf16_at_gpt2_width_is_within_bf16_rounding(varian
         t.normal_(generator=torch.Generator(CUDA).manual_seed(0))
     token, pad = torch.arange(1, 5, device=CUDA)[:, None], torch.zeros(4, dtype=torch.long, device=CUDA)
     input_pos = torch.tensor([cache.max_len - 1], device=CUDA)
+    logits_at = torch.compile(model.logits_at, fullgraph=True) if compiled else model.logits_at
     with torch.no_grad():
         reference = naive.logits_at(token, input_pos, cache, pad).float()
         with SplitKV():
-            split = model.logits_at(token, input_pos, cache, pad).float()
+            split = logits_at(token, input_pos, cache, pad).float()
         with sdpa_kernel(decode_backends(CUDA), set_priority=True):
             sdpa = model.logits_at(token, input_pos, cache, pad).float()
-    split_error, sdpa_error = ((logits - reference).norm() / reference.norm() for logits in (split, sdpa))
-    assert split_error <= 1.5 * sdpa_error and sdpa_error < 3e-2, (split_error, sdpa_error)
+    return tuple(float((logits - reference).norm() / reference.norm()) for logits in (split, sdpa))
+
+
+def test_the_compiled_step_at_batch_16_gives_the_eager_steps_tokens(float32_matmuls):
+    """float32, greedy, 16 rows of prompts of 1 to 16 tokens (left-padded): the inductor step (16 x 2
+    K/V heads: split-KV in decode_kernel_options' configuration) gives the eager step's tokens."""
+    model = tiny_model(pos_emb="rope", **split_kv_wide({"n_kv_head": 2})).to(CUDA)
+    step = CompiledDecodeStep(model, batch_size=16, backend="inductor")
+    prompts = [torch.randint(1, 60, (n,), generator=torch.Generator().manual_seed(n)).to(CUDA)
+               for n in range(1, 17)]
+    outs = [generate(model, prompts, 20, temperature=0, decode_step=step_or_eager)
+            for step_or_eager in (step, None)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs)), [a.tolist() for a in outs[0]]
 
 
 @pytest.mark.parametrize("backend", ["cuda_graph", "inductor"])

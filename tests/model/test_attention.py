@@ -1,6 +1,7 @@
 """model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
 equal MHA on repeated K/V, the textbook formula, values wider or narrower than keys, an explicit
-scale), and the kernel an int8 cache's one-query step runs."""
+scale), the kernel an int8 cache's one-query step runs, and split-KV's configuration in a
+compiled step."""
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from model.attention import (
     attend_one_query,
     causal_mask,
     compiled_attend_one_query,
+    decode_kernel_options,
+    hopper_or_newer,
     one_query_kernel,
 )
 from model.kv_cache import KVCache, Quantized
@@ -185,3 +188,17 @@ def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
         for read in (1, positions // 2, positions):  # the first step, one halfway, the last
             assert one_query_kernel(q, Quantized(keys[:, :, :read], scales[:, :, :read])) is kernel
         assert one_query_kernel(q[:1], Quantized(keys[:1, :, :1], scales[:1, :, :1])) is kernel  # fewer rows
+
+
+def test_split_kvs_kernel_options_in_a_compiled_step_keep_its_shared_memory_at_96_kb():
+    """Below 16 rows (batch x K/V heads) inductor's default; from 16, 3 stages of tiles whose K and
+    V take 16 KB a stage (at most 128 keys a tile, at least 16): GPT-2's heads of 64 in bf16 take
+    tiles of 128, float32 or heads of 128 take 64. Never on a CPU."""
+    assert decode_kernel_options(12, 64, 2) == {}
+    assert decode_kernel_options(16, 64, 2) == {"num_stages": 3, "BLOCK_N": 128}
+    for rows, head_dim, itemsize in [(48, 64, 2), (3072, 128, 2), (16, 64, 4), (16, 16, 4), (64, 512, 4)]:
+        tile = decode_kernel_options(rows, head_dim, itemsize)["BLOCK_N"]
+        assert 16 <= tile <= 128 and 128 % tile == 0
+        assert tile * head_dim * itemsize <= 16384 or tile == 16, (rows, head_dim, itemsize)
+    assert decode_kernel_options(3072, 128, 2)["BLOCK_N"] == decode_kernel_options(16, 64, 4)["BLOCK_N"] == 64
+    assert not hopper_or_newer(torch.device("cpu"))
