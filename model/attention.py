@@ -111,12 +111,14 @@ def attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropo
 class SplitKV:
     """A context in which `attend` gives a one-query call (a decode step) to `attend_split_kv`:
     CompiledDecodeStep builds its CUDA step inside it. Off elsewhere: an eager step's key length grows
-    every token, and each new length would compile a kernel of its own."""
+    every token, and each new length would compile a kernel of its own. Entered, it notes whether
+    the GPU is a Hopper or newer (`hopper`: a constant where a step is traced)."""
 
-    on = False
+    on, hopper = False, False
 
     def __enter__(self):
         self.was, SplitKV.on = SplitKV.on, True
+        SplitKV.hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 
     def __exit__(self, *exc):
         SplitKV.on = self.was
@@ -148,7 +150,7 @@ def attend_split_kv(q, k, v, mask=None, sink_logit=None, scale=None):
                                                  sink_logit is None)), None
     else:  # traced into a compiled step (where tuning fails to compile), or a CPU's unfused reference
         flex, options = flex_decode, None
-        if hopper_or_newer(q.device):
+        if q.is_cuda and SplitKV.hopper:
             options = decode_kernel_options(B * n_kv_head, max(d_k, v.size(-1)), q.element_size())
     if sink_logit is None:
         out = flex(q, k, v, score_mod, scale, kernel_options=options)  # (B, n_kv_head, n_rep, d_v)
@@ -168,21 +170,11 @@ def splits_kv(d_k: int, d_v: int, mask=None) -> bool:
     return heads_fit and (mask is None or mask.dim() < 4 or mask.size(1) == 1)
 
 
-@torch.compiler.assume_constant_result  # (asked while a step is traced: a constant of its graph)
-def hopper_or_newer(device: torch.device) -> bool:
-    """Whether device is a GPU of compute capability 9 or more (H100, H200, B200)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def decode_kernel_options(rows: int, head_dim: int, itemsize: int) -> dict:
-    """FlexAttention's decoding kernel configuration for `rows` (batch x K/V heads) inside a compiled
-    step on a Hopper GPU or newer, where timing its configurations fails to compile (PyTorch 2.11).
-    From 16 rows each thread block reads several tiles of keys: tiles of 128 keys (64 with heads
-    of 128, 16 KB of K and of V a stage) in 3 pipeline stages were within 13% of the fastest at
-    every shape timed, where inductor's default (64 keys, 1 stage) ran up to 2.1x slower.
-    (Inductor means 3 stages as its sm_90 default, but a later `if` sets 1 again:
-    template_heuristics, PyTorch 2.11 and 2.13.) Below 16 rows the keys are split so thinly that
-    the default was within 7% of the fastest, or was it (H200, GPT-2 width, 2026-11-27)."""
+    """FlexAttention's decoding kernel configuration inside a compiled step on Hopper or newer
+    (where timing its candidates fails to compile, PyTorch 2.11): from 16 `rows` (batch x K/V heads)
+    tiles of up to 128 keys (16 KB of K and of V) in 3 stages, within 13% of the fastest where
+    inductor's default ran up to 2.1x slower (H200: benchmarks/RESULTS.md); below, the default."""
     if rows < 16:
         return {}
     return {"num_stages": 3, "BLOCK_N": max(16, min(128, 16384 // (head_dim * itemsize)))}

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from model import attend
 from model.attention import (
     COMPILE_FROM,
+    SplitKV,
     attend_one_query,
     causal_mask,
     compiled_attend_one_query,
     decode_kernel_options,
-    hopper_or_newer,
     one_query_kernel,
 )
 from model.kv_cache import KVCache, Quantized
@@ -193,7 +193,7 @@ def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
 def test_split_kvs_kernel_options_in_a_compiled_step_keep_its_shared_memory_at_96_kb():
     """Below 16 rows (batch x K/V heads) inductor's default; from 16, 3 stages of tiles whose K and
     V take 16 KB a stage (at most 128 keys a tile, at least 16): GPT-2's heads of 64 in bf16 take
-    tiles of 128, float32 or heads of 128 take 64. Never on a CPU."""
+    tiles of 128, float32 or heads of 128 take 64. Only on a Hopper GPU or newer (SplitKV.hopper)."""
     assert decode_kernel_options(12, 64, 2) == {}
     assert decode_kernel_options(16, 64, 2) == {"num_stages": 3, "BLOCK_N": 128}
     for rows, head_dim, itemsize in [(48, 64, 2), (3072, 128, 2), (16, 64, 4), (16, 16, 4), (64, 512, 4)]:
@@ -201,4 +201,5 @@ def test_split_kvs_kernel_options_in_a_compiled_step_keep_its_shared_memory_at_9
         assert 16 <= tile <= 128 and 128 % tile == 0
         assert tile * head_dim * itemsize <= 16384 or tile == 16, (rows, head_dim, itemsize)
     assert decode_kernel_options(3072, 128, 2)["BLOCK_N"] == decode_kernel_options(16, 64, 4)["BLOCK_N"] == 64
-    assert not hopper_or_newer(torch.device("cpu"))
+    with SplitKV():
+        assert SplitKV.hopper == (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
