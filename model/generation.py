@@ -12,6 +12,7 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import contextlib
+import functools
 import itertools
 import math
 import warnings
@@ -429,7 +430,11 @@ class CompiledDecodeStep:
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
-        self.backend, backends = backend, decode_backends(device)
+        self.backend = backend
+        # SDPA's kernels, set around every call that compiles or captures the step (not inside the
+        # traced function: a priority set there keeps AOTAutograd's cache from storing the step,
+        # and each process would compile it again, ~1 s of a CPU's start).
+        self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
         self.inputs = (self.token, self.input_pos, self.cache, self.pad)
         # On a CPU, a cache that is not one ring is read up to its last written slot: the step
         # takes slots[:n], whose size n is its one dynamic dimension. (A ring reads every slot.)
@@ -437,10 +442,9 @@ class CompiledDecodeStep:
         self.slots = torch.empty(self.cache.max_len, device=device) if reads_written else None
 
         def logits_at(token, input_pos, cache, pad, slots=None):
-            with sdpa_kernel(backends, set_priority=True):
-                return model.logits_at(token, input_pos, cache, pad, None if slots is None else slots.size(0))
+            return model.logits_at(token, input_pos, cache, pad, None if slots is None else slots.size(0))
 
-        with warnings.catch_warnings(), torch.inference_mode():
+        with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
             warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
             if device.type == "cuda":
@@ -486,7 +490,8 @@ class CompiledDecodeStep:
                 return step(*self.inputs)
             slots = self.slots[:reads]                                     # (reads,)
             if reads < 2:  # 1 slot (a refill that kept no token): a size dynamo makes a constant
-                return logits_at(*self.inputs, slots)  # so it runs eagerly
+                with self.kernels():
+                    return logits_at(*self.inputs, slots)  # so it runs eagerly
             # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
             # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
             if not compiled:
@@ -512,7 +517,8 @@ class CompiledDecodeStep:
     def capture(self, body, generator=None, restore_rng=False):
         """(a CUDA graph of body(), what body returned): warmed up twice on a side stream (as capturing
         needs: lazy initialisations; torch.compile's or an int8 cache's kernel compiled), then
-        recorded once, in a memory pool of its own, with attention split across the GPU (split_kv).
+        recorded once, in a memory pool of its own, with attention split across the GPU (split_kv)
+        and SDPA's kernels in the step's order (decode_backends).
         With restore_rng the warm-ups leave `generator` (None: CUDA's default) as they found it, and
         the graph advances it at every replay as the eager draws would."""
         split = SplitKV() if self.split_kv else contextlib.nullcontext()
@@ -520,7 +526,7 @@ class CompiledDecodeStep:
             rng = torch.cuda.get_rng_state() if generator is None else generator.get_state()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), split:
+        with torch.cuda.stream(side), split, self.kernels():
             for _ in range(2):
                 body()
         torch.cuda.current_stream().wait_stream(side)
@@ -529,7 +535,7 @@ class CompiledDecodeStep:
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
             graph.register_generator_state(generator)
-        with split, torch.cuda.graph(graph):
+        with split, self.kernels(), torch.cuda.graph(graph):
             out = body()
         return graph, out
 
