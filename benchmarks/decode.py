@@ -19,9 +19,10 @@ quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
 
-3. Compile paid once (`--sections compile`): `python generate.py ckpt=<the main job> compile=true
-   benchmark=true` run twice, each a fresh process, over one empty inductor cache: the first
-   compiles, the second finds the compiled code on disk. Each prints its warm-up's extra time.
+3. Compile paid once (`--sections compile [--before <checkout>]`): `python generate.py ckpt=<the
+   main job> compile=true benchmark=true` run twice, each a fresh process, over one empty inductor
+   cache: the first compiles, the second finds the compiled code on disk. Each prints the time the
+   step took to build and the whole process's; with --before, another checkout's too, in turn.
 4. generate.py's flags (`--sections flags [--before <checkout>]`): decode tokens/s after the warm-up
    with no flags, `compile=true`, and `compile=true quantize=int8 dtype=bfloat16`, on the char
    model's shape, the main job's (block 64, so it refills), the main job's at block 1024 (batch 1
@@ -204,22 +205,26 @@ def main_job(ckpt: str, new: int) -> None:
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
 
 
-def compile_cost(ckpt: str, new: int) -> None:
-    cmd = [sys.executable, "generate.py", f"ckpt={ckpt}", "compile=true", "benchmark=true",
-           f"max_new_tokens={new}"]
-    print(f"\n### Compile paid once: `{' '.join(['python', *cmd[1:]])}`, twice, fresh processes, one "
-          f"inductor cache (empty before the first)\n")
-    print("| run | whole process s | warm-up beyond a repeat (compiling) s | decode tokens/s |\n"
-          "| --- | --- | --- | --- |")
-    with tempfile.TemporaryDirectory() as cache:
+def compile_cost(ckpt: str, new: int, codes: dict) -> None:
+    """generate.py with compile=true, twice in fresh processes over one inductor cache (empty before
+    the first), from each checkout of `codes` ({name: checkout}, each with a cache of its own), the
+    checkouts in turn: the whole process and the time it took to build the step."""
+    args = [f"ckpt={Path(ckpt).resolve()}", "compile=true", "benchmark=true", f"max_new_tokens={new}"]
+    print(f"\n### Compile paid once: `python generate.py {' '.join(args)}`, twice, fresh processes, one "
+          f"inductor cache (empty before the first) per checkout\n")
+    print("| checkout | run | whole process s | step built (compiling) s | decode tokens/s |\n"
+          "| --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as caches:
         for run in ("first", "second"):
-            t0 = time.perf_counter()
-            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True,
-                                 env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}).stdout
-            wall = time.perf_counter() - t0
-            extra = re.search(r"warm-up: [\d.]+ s, ([\d.-]+) s more", out).group(1)
-            decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
-            print(f"| {run} | {wall:.1f} | {extra} | {decode} |")
+            for name, code in codes.items():
+                t0 = time.perf_counter()
+                out = subprocess.run([sys.executable, "generate.py", *args], cwd=code, capture_output=True,
+                                     text=True, check=True,
+                                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/{name}"}).stdout
+                wall = time.perf_counter() - t0
+                built = re.search(r"built in ([\d.]+) s", out).group(1)
+                decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
+                print(f"| {name} | {run} | {wall:.1f} | {built} | {decode} |")
 
 
 def ops_per_token(model, new: int = 32) -> float:
@@ -429,8 +434,9 @@ def main() -> None:
     # Absolute: each measured process runs in this checkout, whatever folder the command ran in.
     absolute = lambda path: str(Path(path).expanduser().resolve())  # noqa: E731
     p.add_argument("--code", default=str(ROOT), type=absolute,
-                   help="the checkout whose model --sections flags, kv, variants run")
-    p.add_argument("--before", type=absolute, help="--sections kv, flags: also this checkout, side by side")
+                   help="the checkout whose model --sections compile, flags, kv, variants run")
+    p.add_argument("--before", type=absolute,
+                   help="--sections compile, kv, flags: also this checkout, side by side")
     sections = ["char", "main", "compile", "threads", "flags", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
@@ -465,11 +471,11 @@ def run(args) -> None:
         char_shape(args.new)
     if "main" in args.sections:
         main_job(ckpt, args.new)  # a non-Llama model: one-line error
+    codes = {"before": args.before, "after": args.code} if args.before else {"this": args.code}
     if "compile" in args.sections:
-        compile_cost(ckpt, args.new)
+        compile_cost(ckpt, args.new, codes)
     if "threads" in args.sections:
         threads(ckpt, args.new)
-    codes = {"before": args.before, "after": args.code} if args.before else {"this": args.code}
     if "flags" in args.sections:
         flag_sets(codes)
     if "kv" in args.sections:
