@@ -19,6 +19,9 @@ quantize=int8 dtype=bfloat16.
 Greedy fp32 tokens are checked identical to transformers' first. Then the main job's
 checkpoint is evaluated on its whole val split in each precision.
 
+   Where a token's time goes (`--sections anatomy`): for no flags, `compile=true` and the fastest
+   flags on both models, µs a token in the one-token step, sampling, refills, the prompt's prefill
+   and the rest (the stream itself), timed by wrapping those functions where `stream` calls them.
 3. Compile paid once (`--sections compile [--before <checkout>]`): `python generate.py ckpt=<the
    main job> compile=true benchmark=true` run twice, each a fresh process, over one empty inductor
    cache: the first compiles, the second finds the compiled code on disk. Each prints the time the
@@ -50,6 +53,7 @@ checkpoint is evaluated on its whole val split in each precision.
    first token and decode tokens/s.
 """
 
+import contextlib
 import functools
 import gc
 import os
@@ -63,6 +67,7 @@ from pathlib import Path
 
 import torch
 
+import model.generation as generation
 from cli.errors import ArgumentParser, exit_on_user_error, naming
 from data.prepare import DataConfig, load_prepared, prepare
 from model import GPT, GPTConfig, Sampling, generate
@@ -408,6 +413,78 @@ def variant_steps(code: str) -> None:
         print(f"| {name} | " + " | ".join(f"{float(v):,.1f}" for v in out) + " |")
 
 
+PARTS = ("step", "sampling", "refill", "prefill")  # what `anatomy` times, in a stream's own functions
+
+
+@contextlib.contextmanager
+def parts_timed(spent: dict, model) -> None:
+    """While inside, the seconds a stream of `model` spends in each of PARTS add up in `spent`: the
+    one-token step (the compiled step's call, or the model's forward), `sample_next`, `make_room`
+    (a refill, its forward passes included) and `prefill` (the prompt's). The functions are wrapped
+    where `stream` looks them up, and put back on leaving."""
+    inside = []  # the part running now: a forward inside a refill or a prefill is that part's
+
+    def timed(part, f):
+        def run(*args, **kwargs):
+            if inside:
+                return f(*args, **kwargs)
+            inside.append(part)
+            t0 = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t0
+                inside.pop()
+        return run
+
+    saved = generation.sample_next, generation.make_room, generation.prefill, CompiledDecodeStep.__call__
+    generation.sample_next, generation.make_room, generation.prefill = (
+        timed(part, f) for part, f in zip(PARTS[1:], saved))
+    CompiledDecodeStep.__call__ = timed("step", saved[3])
+    model.forward = timed("step", model.forward)
+    try:
+        yield
+    finally:
+        generation.sample_next, generation.make_room, generation.prefill, CompiledDecodeStep.__call__ = saved
+        del model.forward
+
+
+def anatomy(ckpt: str, new: int, rounds: int = 3) -> None:
+    """Where a sampled token's time goes (PARTS, and the rest: `stream` itself), for generate.py's
+    three speed settings on the char shape and the main job's model: µs a token, medians of
+    `rounds` samples after one that warms up."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=new + 1, n_layer=6, n_head=6, n_embd=384)
+    weights = GPT(config).state_dict()
+
+    def char(dtype, quantize):
+        model = GPT(config)
+        model.load_state_dict(weights)
+        return for_decoding(model, "cpu", Precision(dtype, quantize))
+
+    models = {"char 6/6/384 (random weights)": char,
+              "CPU main job": lambda dtype, quantize: load_model(ckpt, "cpu", Precision(dtype, quantize))[0]}
+    print(f"\n### Where a token's time goes: batch 1, {new}-token samples (temperature 0.8, top_k 200), "
+          f"{torch.get_num_threads()} threads; µs a token, medians of {rounds} samples\n")
+    print("| model | flags | tokens/s | step | sampling | refill | prompt prefill | the rest (stream) |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for model_name, load in models.items():
+        for name in ("default (no flags)", "default + compile=true",
+                     "fastest flags: compile=true quantize=int8 dtype=bfloat16"):
+            dtype, quantize, compiled = PRECISIONS[name]
+            model = load(dtype, quantize)
+            step = CompiledDecodeStep(model) if compiled else None
+            runs = []
+            for _ in range(rounds + 1):
+                spent = dict.fromkeys(PARTS, 0.0)
+                with parts_timed(spent, model):
+                    total = sample_seconds(model, torch.zeros(1, 1, dtype=torch.long), new, step)
+                runs.append({**spent, "rest": total - sum(spent.values()), "total": total})
+            med = {k: statistics.median(r[k] for r in runs[1:]) * 1e6 / new for k in runs[0]}
+            print(f"| {model_name} | {name.split(': ')[-1]} | {1e6 / med['total']:,.0f} | "
+                  + " | ".join(f"{med[k]:,.0f}" for k in (*PARTS, "rest")) + " |")
+
+
 def many_samples(samples: int = 8, prompt: int = 200, new: int = 50, rounds: int = 5) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)).eval()
@@ -437,7 +514,7 @@ def main() -> None:
                    help="the checkout whose model --sections compile, flags, kv, variants run")
     p.add_argument("--before", type=absolute,
                    help="--sections compile, kv, flags: also this checkout, side by side")
-    sections = ["char", "main", "compile", "threads", "flags", "kv", "long", "variants", "samples"]
+    sections = ["char", "main", "anatomy", "compile", "threads", "flags", "kv", "long", "variants", "samples"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     exit_on_user_error(run, args)
@@ -460,7 +537,7 @@ def check_args(args) -> None:
 
 def run(args) -> None:
     check_args(args)
-    needs_ckpt = {"main", "compile", "threads"} & set(args.sections)
+    needs_ckpt = {"main", "anatomy", "compile", "threads"} & set(args.sections)
     with naming("--ckpt", "ckpt"):  # found, and a model transformers' Llama takes, before any section runs
         ckpt = args.ckpt or (str(latest_run("outputs")) if needs_ckpt else None)
     if "main" in args.sections:
@@ -471,6 +548,8 @@ def run(args) -> None:
         char_shape(args.new)
     if "main" in args.sections:
         main_job(ckpt, args.new)  # a non-Llama model: one-line error
+    if "anatomy" in args.sections:
+        anatomy(ckpt, args.new)
     codes = {"before": args.before, "after": args.code} if args.before else {"this": args.code}
     if "compile" in args.sections:
         compile_cost(ckpt, args.new, codes)
