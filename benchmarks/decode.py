@@ -176,14 +176,16 @@ def char_shape(new: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         hf.save_pretrained(d)
         loaded = GPT.from_pretrained(d)
-    weights, config = loaded.state_dict(), loaded.config
-
-    def load(dtype, quantize):
-        model = GPT(config)
-        model.load_state_dict(weights)
-        return for_decoding(model, "cpu", Precision(dtype, quantize))
-
+    load = functools.partial(decoding_copy, loaded.config, loaded.state_dict())
     compare(f"6/6/384 char shape, block {block} (random weights), vs transformers GPT-2", hf, load, new)
+
+
+def decoding_copy(config: GPTConfig, weights: dict, dtype: str, quantize: str | None) -> GPT:
+    """A new GPT of `config` holding `weights`, ready to decode in that precision (int8 replaces
+    a model's Linears in place: each precision gets a model of its own)."""
+    model = GPT(config)
+    model.load_state_dict(weights)
+    return for_decoding(model, "cpu", Precision(dtype, quantize))
 
 
 def main_job(ckpt: str, new: int) -> None:
@@ -417,7 +419,7 @@ PARTS = ("step", "sampling", "refill", "prefill")  # what `anatomy` times, in a 
 
 
 @contextlib.contextmanager
-def parts_timed(spent: dict, model) -> None:
+def parts_timed(spent: dict, model):
     """While inside, the seconds a stream of `model` spends in each of PARTS add up in `spent`: the
     one-token step (the compiled step's call, or the model's forward), `sample_next`, `make_room`
     (a refill, its forward passes included) and `prefill` (the prompt's). The functions are wrapped
@@ -455,13 +457,7 @@ def anatomy(ckpt: str, new: int, rounds: int = 3) -> None:
     `rounds` samples after one that warms up."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, block_size=new + 1, n_layer=6, n_head=6, n_embd=384)
-    weights = GPT(config).state_dict()
-
-    def char(dtype, quantize):
-        model = GPT(config)
-        model.load_state_dict(weights)
-        return for_decoding(model, "cpu", Precision(dtype, quantize))
-
+    char = functools.partial(decoding_copy, config, GPT(config).state_dict())
     models = {"char 6/6/384 (random weights)": char,
               "CPU main job": lambda dtype, quantize: load_model(ckpt, "cpu", Precision(dtype, quantize))[0]}
     print(f"\n### Where a token's time goes: batch 1, {new}-token samples (temperature 0.8, top_k 200), "
