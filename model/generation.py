@@ -13,6 +13,7 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import math
 import warnings
@@ -425,6 +426,8 @@ class CompiledDecodeStep:
             raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
                              f"{backend!r} for a model on {device.type}")
         self.model, self.split_kv = model, backend == "inductor" if split_kv is None else split_kv
+        # On a CPU, inductor's step of an int8 model takes its weights as constants (frozen_weights)
+        self.frozen = backend == "inductor" and device.type == "cpu" and int8_weights(model)
         self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
@@ -455,15 +458,18 @@ class CompiledDecodeStep:
                 # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
                 # be compiled as constants).
                 self.cache.advance(min(1, self.cache.max_len - 1))
-                self(self.token, self.cache)
+                with frozen_weights(model) if self.frozen else contextlib.nullcontext():
+                    self(self.token, self.cache)
                 self.cache.reset()
 
     def compiled(self, logits_at, backend: str):
         """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
         as a CUDA graph after), or on a CPU one whose `slots` size is dynamic."""
-        for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
-                       self.input_pos]:
-            torch._dynamo.mark_static_address(buffer)
+        on_cpu = self.token.device.type == "cpu"
+        if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
+            for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
+                           self.input_pos]:
+                torch._dynamo.mark_static_address(buffer)
         # A code object of its own: dynamo keeps the graphs of one code object together, up to its
         # recompile limit (8; with fullgraph, the 9th is an error), and every step of another model
         # shape or batch size would add one to a shared one. Each step has exactly one graph.
@@ -474,8 +480,11 @@ class CompiledDecodeStep:
         # job's 4-layer CPU step about a quarter of its time. On a CPU, inductor's wrapper around
         # its kernels is C++ too (cpp_wrapper): another fifth.
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
-        if backend == "inductor" and self.token.device.type == "cpu":
+        if backend == "inductor" and on_cpu:
             options["cpp_wrapper"] = True
+        if self.frozen:  # each int8 product by inductor's C++ template or ATen's, the faster (timed once)
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                           autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
         # dynamic=None: a size that changes is compiled as a dynamic one (only `slots`' can)
         return torch.compile(logits_at, backend=backend, dynamic=None if self.slots is not None else False,
                              fullgraph=True, options=options)
@@ -579,6 +588,38 @@ class CompiledDecodeStep:
         logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
         cache.advance(1)
         return logits[:token.size(0), -1]
+
+
+def int8_weights(model) -> bool:
+    """Whether every product of the model's layers is an int8 one (quantize_int8): no nn.Linear left."""
+    return not any(isinstance(module, torch.nn.Linear) for module in model.modules())
+
+
+@contextlib.contextmanager
+def frozen_weights(model):
+    """The context in which a CPU's inductor step of an int8 model is traced and compiled with its
+    weights frozen: constants, which inductor packs once for its own C++ products (`compiled` lets
+    max_autotune time them against ATen's `_weight_int8pack_mm`; they won at every shape of the char
+    model, 1.3-2.3x alone, and ran its step ~1.4x faster; benchmarks/RESULTS.md). Only int8 models:
+    freezing hands float Linears to oneDNN, whose packed weights inductor's cache cannot store (every
+    process would compile again). Set around the trace, not in torch.compile's options: dynamo reads
+    `freezing` while it traces. The code inductor keeps on disk holds the packed weights yet its key
+    knows a frozen weight by shape alone: the weights' digest in the key keeps a model of the same
+    shape from loading another's."""
+    import torch._inductor.config as inductor_config
+
+    tag = weights_digest(model)
+    with inductor_config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=tag):
+        yield
+
+
+def weights_digest(model) -> str:
+    """A digest of every weight and buffer of `model`, bytes and names (~0.1 s for 42 MB)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def timed_stream(model, idx, max_new_tokens, kv_cache=True, decode_step=None,

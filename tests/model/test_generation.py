@@ -19,12 +19,15 @@ from model.generation import (
     CompiledDecodeStep,
     Sampling,
     decode_backends,
+    frozen_weights,
     generate,
+    int8_weights,
     load_model,
     new_tokens_allowed,
     sample_next,
     stream,
 )
+from model.quantize import quantize_int8
 from tests.helpers import (
     ATTENTION,
     BOUNDED,
@@ -283,6 +286,29 @@ def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(b
         eager, compiled = (generate(model, [[1, 2], [2, 3]], 12, decode_step=d, **sampling,
                                     generator=torch.Generator().manual_seed(0)) for d in (None, step))
         assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], sampling
+
+
+def test_a_frozen_step_is_cached_under_its_weights():
+    """Inductor's CPU step of an int8 model holds that model's weights (frozen_weights), and inductor's
+    cache on disk knows a frozen weight by its shape alone: the weights' digest is in the cache's key,
+    the same for the same weights (a later process loads the code), another for any other weight,
+    scale or bias, however small the difference. Nothing is left set after."""
+    import torch._inductor.config as inductor_config
+
+    def key_tag(model):
+        with frozen_weights(model):
+            assert inductor_config.freezing
+            return torch.compiler.config.cache_key_tag
+
+    model = quantize_int8(tiny_model(0))
+    nudged = [copy.deepcopy(model) for _ in range(3)]
+    nudged[0].blocks[1].mlp.fc.weight[3, 5] += 1                       # one int8 weight
+    nudged[1].blocks[0].attn.qkv.scales[0] *= 1 + 2 ** -20             # one scale, its last bits
+    nudged[2].norm_f.bias.data[0] += 1e-7
+    tags = [key_tag(m) for m in [model, quantize_int8(tiny_model(0)), quantize_int8(tiny_model(1)), *nudged]]
+    assert tags[0] == tags[1] and len(set(tags)) == 5
+    assert torch.compiler.config.cache_key_tag == "" and not inductor_config.freezing
+    assert int8_weights(model) and not int8_weights(tiny_model(0))
 
 
 def test_the_decode_backends_never_hold_cudnn():
