@@ -23,9 +23,10 @@ checkpoint is evaluated on its whole val split in each precision.
    flags on both models, µs a token in the one-token step, sampling, refills, the prompt's prefill
    and the rest (the stream itself), timed by wrapping those functions where `stream` calls them.
 3. Compile paid once (`--sections compile [--before <checkout>]`): `python generate.py ckpt=<the
-   main job> compile=true benchmark=true` run twice, each a fresh process, over one empty inductor
-   cache: the first compiles, the second finds the compiled code on disk. Each prints the time the
-   step took to build and the whole process's; with --before, another checkout's too, in turn.
+   main job> compile=true benchmark=true`, and the same with the fastest flags, each run twice, each
+   a fresh process, over one empty inductor cache: the first compiles, the second finds the code on
+   disk. Each prints the time the step took to build and the whole process's; with --before,
+   another checkout's too, in turn.
 4. generate.py's flags (`--sections flags [--before <checkout>]`): decode tokens/s after the warm-up
    with no flags, `compile=true`, and `compile=true quantize=int8 dtype=bfloat16`, on the char
    model's shape, the main job's (block 64, so it refills), the main job's at block 1024 (batch 1
@@ -213,25 +214,28 @@ def main_job(ckpt: str, new: int) -> None:
 
 
 def compile_cost(ckpt: str, new: int, codes: dict) -> None:
-    """generate.py with compile=true, twice in fresh processes over one inductor cache (empty before
-    the first), from each checkout of `codes` ({name: checkout}, each with a cache of its own), the
-    checkouts in turn: the whole process and the time it took to build the step."""
-    args = [f"ckpt={Path(ckpt).resolve()}", "compile=true", "benchmark=true", f"max_new_tokens={new}"]
-    print(f"\n### Compile paid once: `python generate.py {' '.join(args)}`, twice, fresh processes, one "
-          f"inductor cache (empty before the first) per checkout\n")
-    print("| checkout | run | whole process s | step built (compiling) s | decode tokens/s |\n"
-          "| --- | --- | --- | --- | --- |")
+    """generate.py with compile=true, and with the fastest flags, each twice in fresh processes over
+    one inductor cache (empty before the first), from each checkout of `codes` ({name: checkout},
+    each with a cache of its own), the checkouts in turn: the whole process and the time it took to
+    build the step."""
+    args = [f"ckpt={Path(ckpt).resolve()}", "benchmark=true", f"max_new_tokens={new}"]
+    print(f"\n### Compile paid once: `python generate.py {' '.join(args)}` with the flags below, twice, "
+          f"fresh processes, one inductor cache (empty before the first) per checkout and flags\n")
+    print("| flags | checkout | run | whole process s | step built (compiling) s | decode tokens/s |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as caches:
-        for run in ("first", "second"):
-            for name, code in codes.items():
-                t0 = time.perf_counter()
-                out = subprocess.run([sys.executable, "generate.py", *args], cwd=code, capture_output=True,
-                                     text=True, check=True,
-                                     env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/{name}"}).stdout
-                wall = time.perf_counter() - t0
-                built = re.search(r"built in ([\d.]+) s", out).group(1)
-                decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
-                print(f"| {name} | {run} | {wall:.1f} | {built} | {decode} |")
+        for flags in ("compile=true", "compile=true quantize=int8 dtype=bfloat16"):
+            for run in ("first", "second"):
+                for name, code in codes.items():
+                    t0 = time.perf_counter()
+                    out = subprocess.run(
+                        [sys.executable, "generate.py", *args, *flags.split()], cwd=code, capture_output=True,
+                        text=True, check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR":
+                                                    f"{caches}/{name}-{len(flags.split())}"}).stdout
+                    wall = time.perf_counter() - t0
+                    built = re.search(r"built in ([\d.]+) s", out).group(1)
+                    decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
+                    print(f"| {flags} | {name} | {run} | {wall:.1f} | {built} | {decode} |")
 
 
 def ops_per_token(model, new: int = 32) -> float:
