@@ -227,11 +227,11 @@ def compile_cost(ckpt: str, new: int, codes: dict) -> None:
         for flags in ("compile=true", "compile=true quantize=int8 dtype=bfloat16"):
             for run in ("first", "second"):
                 for name, code in codes.items():
+                    cache = f"{caches}/{name}-{len(flags.split())}"  # (no space: the C++ compiler gets it)
                     t0 = time.perf_counter()
                     out = subprocess.run(
                         [sys.executable, "generate.py", *args, *flags.split()], cwd=code, capture_output=True,
-                        text=True, check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR":
-                                                    f"{caches}/{name}-{len(flags.split())}"}).stdout
+                        text=True, check=True, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}).stdout
                     wall = time.perf_counter() - t0
                     built = re.search(r"built in ([\d.]+) s", out).group(1)
                     decode = re.search(r"^\| on \| [\d,]+ \| ([\d,.]+) \|", out, re.M).group(1)
