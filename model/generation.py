@@ -452,6 +452,8 @@ class CompiledDecodeStep:
         with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
             warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
+            # nor is autotune's own use of a deprecated storage API (timing an int8 step's products)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
             if device.type == "cuda":
                 self.run = self.captured(logits_at if backend == "cuda_graph" else
                                          self.compiled(logits_at, backend))
