@@ -213,6 +213,9 @@ def main_job(ckpt: str, new: int) -> None:
         print(f"| {name} | {loss:.4f} | {loss - exact:+.4f} |")
 
 
+COMPILE_FLAGS = {"compile": "compile=true", "fastest": "compile=true quantize=int8 dtype=bfloat16"}
+
+
 def compile_cost(ckpt: str, new: int, codes: dict) -> None:
     """generate.py with compile=true, and with the fastest flags, each twice in fresh processes over
     one inductor cache (empty before the first), from each checkout of `codes` ({name: checkout},
@@ -224,10 +227,10 @@ def compile_cost(ckpt: str, new: int, codes: dict) -> None:
     print("| flags | checkout | run | whole process s | step built (compiling) s | decode tokens/s |\n"
           "| --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as caches:
-        for flags in ("compile=true", "compile=true quantize=int8 dtype=bfloat16"):
+        for label, flags in COMPILE_FLAGS.items():
             for run in ("first", "second"):
                 for name, code in codes.items():
-                    cache = f"{caches}/{name}-{len(flags.split())}"  # (no space: the C++ compiler gets it)
+                    cache = f"{caches}/{name}-{label}"  # (no space in it: the C++ compiler is handed it)
                     t0 = time.perf_counter()
                     out = subprocess.run(
                         [sys.executable, "generate.py", *args, *flags.split()], cwd=code, capture_output=True,
