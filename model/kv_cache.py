@@ -99,8 +99,7 @@ class KVCache:
     def write(self, slot, name, input_pos, x, read, pad):
         """Store x (B, heads, T, dim) at input_pos; return what attention reads (see key_positions)."""
         T, ring = x.size(2), self.rings[slot]
-        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
-        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None
+        stored, scales = self.first_rows(name, slot, x.size(0))               # (B, heads, slot length, .)
         old = None
         if self.reads_before_writing(slot, T, read):  # a copy: the store below overwrites slots of it
             old = self.read(name, stored, scales, stored.size(2))
@@ -126,26 +125,35 @@ class KVCache:
             if self.errors is not None:  # relative: |stored - given| / |given|, over the rows written
                 given = given.float()
                 self.errors[slot, name] = (new.float() - given).norm() / given.norm().clamp(min=1e-30)
-        else:
-            x, scale = x.to(self.dtype), None
-            new = x.to(self.compute_dtype)
+        else:  # (a conversion to the dtype a tensor has still costs a CPU decode step ~1 µs a call)
+            x, scale = (x if x.dtype == self.dtype else x.to(self.dtype)), None
+            new = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
         self.place(slot, name, input_pos, x, scale, pad)
         return new
 
     def place(self, slot, name, input_pos, x, scale=None, pad=None) -> None:
         """Put x (B, heads, T, dim), already in the stored dtype (int8: with its scale (.., 1)), at
         the slots positions input_pos (T,) go to."""
-        stored = self.stored[name][slot][:x.size(0)]                           # (B, heads, slot length, dim)
-        scales = self.stored[f"{name}_scale"][slot][:x.size(0)] if self.quantized else None  # (.., 1)
-        slots, last = input_pos, slice(None)
-        if self.rings[slot]:
+        stored, scales = self.first_rows(name, slot, x.size(0))               # (B, heads, slot length, .)
+        slots = input_pos
+        if self.rings[slot]:  # the last `window` positions, each in its slot; the sinks in theirs
             window = self.windows[slot]
-            last = slice(-window, None)
-            slots = self.sinks + input_pos[last] % window                      # (<= window,)
             self.write_sinks(stored, scales, input_pos, x, scale, pad)
-        stored.index_copy_(2, slots, x[:, :, last])
+            slots, x = self.sinks + input_pos[-window:] % window, x[:, :, -window:]  # (<= window,) slots
+            scale = None if scale is None else scale[:, :, -window:]
+        stored.index_copy_(2, slots, x)
         if scales is not None:
-            scales.index_copy_(2, slots, scale[:, :, last])
+            scales.index_copy_(2, slots, scale)
+
+    def first_rows(self, name, slot, rows: int):
+        """Slot `slot`'s stored `name` and, int8, its scales (None otherwise), each cut to the first
+        `rows` rows: the tensors themselves when that is all of them (a view costs a CPU decode step
+        ~2 µs, four a layer)."""
+        stored = self.stored[name][slot]                                       # (batch_size, heads, ., dim)
+        scales = self.stored[f"{name}_scale"][slot] if self.quantized else None  # (batch_size, heads, ., 1)
+        if rows == self.batch_size:
+            return stored, scales
+        return stored[:rows], None if scales is None else scales[:rows]
 
     def fill_from(self, prefix: "KVCache", rows: int, pad=None) -> None:
         """Every row as if it had been fed positions 0 .. prefix.length - 1, row b's position p at
