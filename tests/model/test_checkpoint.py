@@ -158,6 +158,8 @@ def test_load_model_in_each_dtype_and_int8(tmp_path):
     assert isinstance(int8.lm_head, Int8Linear) and int8.wte.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16"):
         Precision("float16")
+    with pytest.raises(ValueError, match="quantize must be null, auto or int8"):
+        Precision(quantize="int4")
 
 
 def test_a_model_loaded_to_decode_has_no_dropout_and_no_gradients(tmp_path):
@@ -169,8 +171,6 @@ def test_a_model_loaded_to_decode_has_no_dropout_and_no_gradients(tmp_path):
     assert not any(isinstance(m, torch.nn.Dropout) for m in loaded.modules())
     assert any(isinstance(m, torch.nn.Dropout) for m in model.modules())
     assert not any(p.requires_grad for p in loaded.parameters())
-    with pytest.raises(ValueError, match="quantize must be null, auto or int8"):
-        Precision(quantize="int4")
 
 
 def test_init_from_one_of_our_checkpoints(tmp_path):
