@@ -12,12 +12,17 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import getpass
 import hashlib
 import itertools
 import math
+import os
+import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -415,11 +420,11 @@ class CompiledDecodeStep:
     the char model). On a CPU it reads the slots written so far, as the eager step does, in a graph
     compiled once for any number of them (one dynamic dimension), called with no guard of
     torch.compile's checked (as a CUDA graph checks none: the step is its model's and its cache's).
-    Reading every slot, a CPU's compiled step of 100 new tokens a row at batch 64 in a block of
-    1,024 ran 900 tokens/s, now 27,557 (the eager step: 12,254). An int8 model's CPU step keeps the
-    weights it was built with (`frozen_weights`: inductor's own int8 products, 1.1-1.8x faster). The
-    step is built and run once when made (compiling, capturing), so that whatever that prints comes
-    before a sample's text."""
+    An int8 model's CPU step is compiled ahead of time instead (`ahead_of_time`): its weights frozen
+    in, kept on disk as an AOTInductor package that a later process loads in milliseconds, and run
+    by the package's C++ runner with no Python of torch.compile's around it (the main job's step:
+    164 µs against 340). The step is built and run once when made (compiling, capturing), so that
+    whatever that prints comes before a sample's text."""
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
                  split_kv: bool | None = None):
@@ -429,7 +434,7 @@ class CompiledDecodeStep:
             raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
                              f"{backend!r} for a model on {device.type}")
         self.model, self.split_kv = model, backend == "inductor" if split_kv is None else split_kv
-        # On a CPU, inductor's step of an int8 model takes its weights as constants (frozen_weights)
+        # On a CPU, inductor's step of an int8 model is compiled ahead of time, its weights frozen in
         self.frozen = backend == "inductor" and device.type == "cpu" and int8_weights(model)
         self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))
@@ -459,12 +464,12 @@ class CompiledDecodeStep:
                 self.run = self.captured(logits_at if backend == "cuda_graph" else
                                          self.compiled(logits_at, backend))
             else:
-                self.run = self.compiled_reading_written(self.compiled(logits_at, backend), logits_at)
+                self.run = (self.ahead_of_time(logits_at) if self.frozen else
+                            self.compiled_reading_written(self.compiled(logits_at, backend), logits_at))
                 # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
                 # be compiled as constants).
                 self.cache.advance(min(1, self.cache.max_len - 1))
-                with frozen_weights(model) if self.frozen else contextlib.nullcontext():
-                    self(self.token, self.cache)
+                self(self.token, self.cache)
                 self.cache.reset()
 
     def compiled(self, logits_at, backend: str):
@@ -487,9 +492,6 @@ class CompiledDecodeStep:
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         if backend == "inductor" and on_cpu:
             options["cpp_wrapper"] = True
-        if self.frozen:  # each int8 product by inductor's C++ template or ATen's, the faster (timed once)
-            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                           autotune_num_choices_displayed=0, max_autotune_report_choices_stats=False)
         # dynamic=None: a size that changes is compiled as a dynamic one (only `slots`' can)
         return torch.compile(logits_at, backend=backend, dynamic=None if self.slots is not None else False,
                              fullgraph=True, options=options)
@@ -512,6 +514,36 @@ class CompiledDecodeStep:
                 torch._dynamo.mark_dynamic(slots, 0)
                 compiled = True
             return step(*self.inputs, slots)
+
+        return run
+
+    def ahead_of_time(self, logits_at):
+        """run(reads) on a CPU for an int8 model: the step exported (torch.export) and compiled by
+        AOTInductor with its weights frozen in (inductor's own C++ int8 products, each timed once
+        against ATen's `_weight_int8pack_mm`: they won at every shape measured), kept on disk as a
+        package (`step_package`) that a later process loads in milliseconds, and called through
+        the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
+        slots outside those it was exported for (below 2, or where export specialised) runs eagerly."""
+        path = step_package(self.model, self.cache)
+        reads_written = self.slots is not None
+        # a ring reads every slot: its `slots` input is a placeholder of fixed size
+        slots = self.slots[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
+        tensors = [*self.cache.buffers, *self.cache.read_buffer.values()]
+        if not path.exists():
+            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, slots, tensors),
+                        reads_written, path, self.kernels)
+        # The package's own runner, not torch._inductor.aoti_load_package: that imports inductor (~3 s)
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        low, high = (int(n) for n in runner.get_metadata()["reads"].split())
+        inputs = [self.token, self.input_pos, self.pad, slots, *tensors]
+
+        def run(reads: int):
+            if reads_written and not low <= reads <= high:
+                with self.kernels():
+                    return logits_at(*self.inputs, self.slots[:reads])
+            if reads_written:
+                inputs[3] = self.slots[:reads]                             # (reads,)
+            return runner.run(inputs)[0]
 
         return run
 
@@ -600,22 +632,63 @@ def int8_weights(model) -> bool:
     return not any(isinstance(module, torch.nn.Linear) for module in model.modules())
 
 
-@contextlib.contextmanager
-def frozen_weights(model):
-    """The context in which a CPU's inductor step of an int8 model is traced and compiled with its
-    weights frozen: constants, which inductor packs once for its own C++ products (`compiled` lets
-    max_autotune time them against ATen's `_weight_int8pack_mm`; they won at every shape measured,
-    1.3-2.3x alone at batch 1, and ran the char model's step 1.26x faster; benchmarks/RESULTS.md).
-    Only int8 models: freezing hands float Linears to oneDNN, whose packed weights inductor's cache
-    cannot store (every process would compile again). Set around the trace, not in torch.compile's
-    options: dynamo reads `freezing` while it traces. The code inductor keeps on disk holds the packed
-    weights yet its key knows a frozen weight by shape alone: the weights' digest in the key keeps a
-    model of the same shape from loading another's."""
-    import torch._inductor.config as inductor_config
+class ExportedStep(torch.nn.Module):
+    """The one-token step as torch.export takes it: the cache's tensors are inputs (a tensor export
+    finds on a Python object it keeps as a constant, and the compiled step would write into a copy)."""
 
-    tag = weights_digest(model)
-    with inductor_config.patch(freezing=True), torch.compiler.config.patch(cache_key_tag=tag):
-        yield
+    def __init__(self, model, cache, reads_written: bool):
+        super().__init__()
+        self.model, self.cache, self.reads_written = model, cache, reads_written
+
+    def forward(self, token, input_pos, pad, slots, tensors):
+        cache, given = copy.copy(self.cache), iter(tensors)               # the cache, over `tensors`
+        cache.stored = {name: [next(given) for _ in slots_of] for name, slots_of in self.cache.stored.items()}
+        cache.read_buffer = {name: next(given) for name in self.cache.read_buffer}
+        reads = slots.size(0) if self.reads_written else None
+        return self.model.logits_at(token, input_pos, cache, pad, reads)
+
+
+def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
+    """Export the step over `cache` (example: token, input_pos, pad, slots, the cache's tensors) with
+    the size of `slots` dynamic from 2 to the cache's length where it reads the written slots, and
+    compile it with AOTInductor into the package `path`, which records in its metadata the sizes
+    export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
+    of it)."""
+    import torch._inductor
+
+    slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if reads_written else None
+    with kernels(), torch.inference_mode(False), torch.no_grad():
+        program = torch.export.export(ExportedStep(model, cache, reads_written), example,
+                                      dynamic_shapes=(None, None, None, slots_dims, [None] * len(example[4])))
+    reads = program.graph.find_nodes(op="placeholder")[-1 - len(example[4])].meta["val"].size(0)
+    if isinstance(reads, torch.SymInt):
+        bounds = program.range_constraints[reads.node.expr]
+        low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))
+    else:
+        low = high = reads
+    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+               "aot_inductor.metadata": {"reads": f"{low} {high}"}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")  # whole or absent: renamed when written
+    torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+    os.replace(partial, path)
+
+
+def step_package(model, cache) -> Path:
+    """Where the AOTInductor package of `model`'s CPU step over `cache` is kept: in inductor's cache
+    folder (TORCHINDUCTOR_CACHE_DIR, or its default), under a digest of all the package depends on:
+    the weights (frozen in), the config, the cache's shape and dtype, the model's code, PyTorch's
+    version and the CPU's vector instructions. Any other model, cache or code gets a package of its own."""
+    digest = hashlib.blake2b(weights_digest(model).encode(), digest_size=16)
+    shape = [tuple(t.shape) for t in cache.buffers], cache.dtype, cache.compute_dtype, bool(cache.read_buffer)
+    for part in (repr(model.config), repr(shape), torch.__version__, torch.backends.cpu.get_cpu_capability()):
+        digest.update(part.encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"  # inductor's own
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default
+    return Path(folder) / "kvgpt" / f"decode-step-{digest.hexdigest()}.pt2"
 
 
 def weights_digest(model) -> str:

@@ -19,12 +19,12 @@ from model.generation import (
     CompiledDecodeStep,
     Sampling,
     decode_backends,
-    frozen_weights,
     generate,
     int8_weights,
     load_model,
     new_tokens_allowed,
     sample_next,
+    step_package,
     stream,
 )
 from model.quantize import quantize_int8
@@ -288,26 +288,23 @@ def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(b
         assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], sampling
 
 
-def test_a_frozen_step_is_cached_under_its_weights():
-    """Inductor's CPU step of an int8 model holds that model's weights (frozen_weights), and inductor's
-    cache on disk knows a frozen weight by its shape alone: the weights' digest is in the cache's key,
-    the same for the same weights (a later process loads the code), another for any other weight,
-    scale or bias, however small the difference. Nothing is left set after."""
-    import torch._inductor.config as inductor_config
-
-    def key_tag(model):
-        with frozen_weights(model):
-            assert inductor_config.freezing
-            return torch.compiler.config.cache_key_tag
-
+def test_a_frozen_step_is_kept_under_its_weights_cache_and_folder(monkeypatch, tmp_path):
+    """The CPU step of an int8 model is a package holding that model's weights (step_package): its
+    file is the same for the same weights and cache (a later process loads it), another for any
+    other weight, scale or bias, however small the difference, and for another cache's batch or
+    dtype; it lives in inductor's cache folder, wherever TORCHINDUCTOR_CACHE_DIR puts it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     model = quantize_int8(tiny_model(0))
     nudged = [copy.deepcopy(model) for _ in range(3)]
     nudged[0].blocks[1].mlp.fc.weight[3, 5] += 1                       # one int8 weight
     nudged[1].blocks[0].attn.qkv.scales[0] *= 1 + 2 ** -20             # one scale, its last bits
     nudged[2].norm_f.bias.data[0] += 1e-7
-    tags = [key_tag(m) for m in [model, quantize_int8(tiny_model(0)), quantize_int8(tiny_model(1)), *nudged]]
-    assert tags[0] == tags[1] and len(set(tags)) == 5
-    assert torch.compiler.config.cache_key_tag == "" and not inductor_config.freezing
+    paths = [step_package(m, m.new_kv_cache(1)) for m in
+             [model, quantize_int8(tiny_model(0)), quantize_int8(tiny_model(1)), *nudged]]
+    other_caches = model.new_kv_cache(2), model.new_kv_cache(1, dtype="int8")
+    paths += [step_package(model, cache) for cache in other_caches]
+    assert paths[0] == paths[1] and len(set(paths)) == 7
+    assert all(path.parent == tmp_path / "kvgpt" for path in paths)
     assert int8_weights(model) and not int8_weights(tiny_model(0))
 
 
