@@ -12,7 +12,6 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 """
 
 import contextlib
-import copy
 import dataclasses
 import functools
 import getpass
@@ -528,7 +527,7 @@ class CompiledDecodeStep:
         reads_written = self.slots is not None
         # a ring reads every slot: its `slots` input is a placeholder of fixed size
         slots = self.slots[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
-        tensors = [*self.cache.buffers, *self.cache.read_buffer.values()]
+        tensors = self.cache.tensors
         if not path.exists():
             export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, slots, tensors),
                         reads_written, path, self.kernels)
@@ -641,26 +640,26 @@ class ExportedStep(torch.nn.Module):
         self.model, self.cache, self.reads_written = model, cache, reads_written
 
     def forward(self, token, input_pos, pad, slots, tensors):
-        cache, given = copy.copy(self.cache), iter(tensors)               # the cache, over `tensors`
-        cache.stored = {name: [next(given) for _ in slots_of] for name, slots_of in self.cache.stored.items()}
-        cache.read_buffer = {name: next(given) for name in self.cache.read_buffer}
         reads = slots.size(0) if self.reads_written else None
-        return self.model.logits_at(token, input_pos, cache, pad, reads)
+        return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
 
 
 def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
     """Export the step over `cache` (example: token, input_pos, pad, slots, the cache's tensors) with
-    the size of `slots` dynamic from 2 to the cache's length where it reads the written slots, and
+    the size of `slots` dynamic from 2 to the cache's length where it reads the written slots (a cache
+    of 1 or 2 slots: the example's size alone), and
     compile it with AOTInductor into the package `path`, which records in its metadata the sizes
     export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
     of it)."""
     import torch._inductor
 
-    slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if reads_written else None
+    dynamic = reads_written and cache.max_len > 2
+    slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
     with kernels(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
                                       dynamic_shapes=(None, None, None, slots_dims, [None] * len(example[4])))
-    reads = program.graph.find_nodes(op="placeholder")[-1 - len(example[4])].meta["val"].size(0)
+    slots = next(node for node in program.graph.find_nodes(op="placeholder") if node.name == "slots")
+    reads = slots.meta["val"].size(0)                                    # a SymInt where it stayed dynamic
     if isinstance(reads, torch.SymInt):
         bounds = program.range_constraints[reads.node.expr]
         low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))
@@ -681,7 +680,7 @@ def step_package(model, cache) -> Path:
     the weights (frozen in), the config, the cache's shape and dtype, the model's code, PyTorch's
     version and the CPU's vector instructions. Any other model, cache or code gets a package of its own."""
     digest = hashlib.blake2b(weights_digest(model).encode(), digest_size=16)
-    shape = [tuple(t.shape) for t in cache.buffers], cache.dtype, cache.compute_dtype, bool(cache.read_buffer)
+    shape = [tuple(t.shape) for t in cache.buffers], cache.dtype, cache.compute_dtype
     for part in (repr(model.config), repr(shape), torch.__version__, torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):

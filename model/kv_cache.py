@@ -2,6 +2,7 @@
 in float32, bfloat16 or int8 (one scale per position and head), and for a sliding-window model it
 is a ring of window slots that position p overwrites at slot p % window."""
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -242,6 +243,19 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def over(self, tensors) -> "KVCache":
+        """This cache with its memory in `tensors` instead, listed as `tensors` lists its own: what
+        a step traced by torch.export reads and writes, its inputs."""
+        view, given = copy.copy(self), iter(tensors)
+        view.stored = {name: [next(given) for _ in slots] for name, slots in self.stored.items()}
+        view.read_buffer = {name: next(given) for name in self.read_buffer}
+        return view
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache writes: its `buffers`, then the read buffer's."""
+        return [*self.buffers, *self.read_buffer.values()]
 
     @property
     def buffers(self) -> list[torch.Tensor]:

@@ -119,3 +119,16 @@ def test_an_all_window_cache_rings_whenever_its_window_fits_max_len(window, sink
 def test_a_cache_built_directly_refuses_a_dtype_it_cannot_hold(dtype, compute_dtype, message):
     with pytest.raises(ValueError, match=message):
         KVCache([None], 1, 2, 8, 4, dtype=dtype, compute_dtype=compute_dtype)
+
+
+def test_a_cache_over_other_tensors_writes_them_and_leaves_its_own():
+    """`over` (what torch.export traces the compiled CPU step with): the same cache, its memory the
+    tensors given in `tensors`' order, an int8 cache's scales and read buffer included."""
+    cache = KVCache([None, 4], 2, 2, 6, 3, dtype=torch.int8, compute_dtype=torch.float32)
+    others = [torch.zeros_like(t) for t in cache.tensors]
+    view = cache.over(others)
+    assert [t is o for t, o in zip(view.tensors, others)] == [True] * len(others)
+    k, v = torch.randn(2, 2, 1, 3), torch.randn(2, 2, 1, 3)
+    view.update(1, torch.tensor([0]), k, v)
+    assert all(not t.any() for t in cache.buffers)                      # its own: untouched
+    assert view.stored["k"][1][:, :, 0].any() and view.stored["v_scale"][1][:, :, 0].any()
