@@ -518,8 +518,7 @@ class CompiledDecodeStep:
 
     def ahead_of_time(self, logits_at):
         """run(reads) on a CPU for an int8 model: the step exported (torch.export) and compiled by
-        AOTInductor with its weights frozen in (inductor's own C++ int8 products, each timed once
-        against ATen's `_weight_int8pack_mm`: they won at every shape measured), kept on disk as a
+        AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
         package (`step_package`) that a later process loads in milliseconds, and called through
         the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
         slots outside those it was exported for (below 2, or where export specialised) runs eagerly."""
@@ -652,6 +651,7 @@ def export_step(model, cache, example, reads_written: bool, path, kernels) -> No
     export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
     of it)."""
     import torch._inductor
+    from torch._inductor.exc import InductorError
 
     dynamic = reads_written and cache.max_len > 2
     slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
@@ -665,12 +665,19 @@ def export_step(model, cache, example, reads_written: bool, path, kernels) -> No
         low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))
     else:
         low = high = reads
-    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+    # Inductor's C++ int8 products, untimed: timed against ATen's, they won at every shape measured,
+    # and each timing compiled a harness (~3.5 s). Where the template takes no product (this CPU's
+    # vector instructions, a shape), inductor refuses the graph: then each is timed against ATen's.
+    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
                "aot_inductor.metadata": {"reads": f"{low} {high}"}}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")  # whole or absent: renamed when written
-    torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+    except InductorError:
+        options["max_autotune_gemm_backends"] = "CPP,ATEN"
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
     os.replace(partial, path)
 
 
