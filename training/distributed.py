@@ -50,7 +50,10 @@ def init_distributed(device: torch.device) -> tuple[int, int, torch.device]:
 def end_distributed() -> None:
     """Leave the process group, at exit, once the DDP wrappers are gone. Not sooner: a DDP wrapper
     holds the group, and one collected after the group was destroyed frees it while holding the
-    GIL, joining gloo threads that wait for the GIL (a process that never exits)."""
+    GIL, joining gloo threads that wait for the GIL (a process that never exits). The scripts freeze
+    the collector as they exit (gc.freeze: no last pass over torch's objects), so what it set aside is
+    collected here first: a wrapper left among it outlives its group (a process that aborts at exit)."""
+    gc.unfreeze()
     gc.collect()  # a wrapper in a reference cycle, while its group lives
     if dist.is_initialized():
         dist.destroy_process_group()
