@@ -70,8 +70,8 @@ from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.attention import SplitKV  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
-from model.device import synchronized_clock  # noqa: E402
-from model.generation import CompiledDecodeStep, decode_backends, generate  # noqa: E402
+from model.device import Precision, synchronized_clock  # noqa: E402
+from model.generation import CompiledDecodeStep, decode_backends, for_decoding, generate  # noqa: E402
 from training.evaluation import target_windows  # noqa: E402
 from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
 from training.run_dir import append_line  # noqa: E402
@@ -483,7 +483,7 @@ def decode_row(shape: tuple, device: torch.device, smoke: bool) -> dict:
     hf, ours = decode_models(shape, device)
     new = 16 if smoke else min(500, shape[1] - 2)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
-    hf_bf16, ours_bf16 = copy.deepcopy(hf).to(dtype), copy.deepcopy(ours).to(dtype)
+    hf_bf16, ours_bf16 = copy.deepcopy(hf).to(dtype), decoding(copy.deepcopy(ours), device, dtype)
     steps = {"ours, compiled step": dict(backend=backend),
              "ours, compiled step, SDPA attention": dict(backend=backend, split_kv=False)}
     if device.type == "cuda":
@@ -538,8 +538,10 @@ def decode_shape(shape: tuple, smoke: bool) -> tuple:
 
 # ----------------------------------------------------------------------------- variants
 
-def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 1024) -> GPT:
-    """A GPT-2-small-width model (toy with smoke) with the variant's attention fields, RoPE."""
+def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 1024,
+                  pad_head: bool = True) -> GPT:
+    """A GPT-2-small-width model (toy with smoke) with the variant's attention fields, RoPE, made
+    ready to decode as generate.py makes it (`decoding`)."""
     width = dict(n_layer=2, n_head=6, n_embd=96, block_size=64) if smoke else \
         dict(n_layer=12, n_head=12, n_embd=768, block_size=block_size)
     fields = {**fields, "n_kv_head": max(1, fields.get("n_kv_head", 12) * width["n_head"] // 12)}
@@ -547,11 +549,20 @@ def variant_model(fields: dict, device, dtype, smoke: bool, block_size: int = 10
         fields |= {"mla_latent_dim": 32, "mla_rope_dim": 8}
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: seconds less a model on a GPU
-        return GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields)).to(dtype=dtype).eval()
+        model = GPT(GPTConfig(vocab_size=50257, pos_emb="rope", **width, **fields))
+    return decoding(model, device, dtype, pad_head)
+
+
+def decoding(model: GPT, device: torch.device, dtype: torch.dtype, pad_head: bool = True) -> GPT:
+    """The model in `dtype` as for_decoding makes it (on CUDA its head's rows padded to a multiple of
+    64), or with pad_head=False the same but the head as trained (the lever's control)."""
+    if not pad_head:
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return for_decoding(model, device, Precision(str(dtype).removeprefix("torch."), None))
 
 
 def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, split_kv: bool,
-                copy_gbs: float, backend: str = "cuda_graph") -> dict:
+                copy_gbs: float, backend: str = "cuda_graph", pad_head: bool = True) -> dict:
     """tokens/s and peak memory of the one-token step at the last slot of a full cache (filled
     with random values: a prefill would cost far more than the measurement), which reads every
     slot as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is the
@@ -566,7 +577,7 @@ def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, spl
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         held_before = torch.cuda.memory_allocated(device)
-    model = variant_model(fields, device, dtype, smoke)
+    model = variant_model(fields, device, dtype, smoke, pad_head=pad_head)
     if device.type == "cuda":
         decode = CompiledDecodeStep(model, batch, backend=backend, split_kv=split_kv)
         cache, step = decode.cache, decode.graph.replay
@@ -633,6 +644,7 @@ def plot_variants(rows: list[dict], path: Path) -> None:
 
 # ----------------------------------------------------------------------------- inductor
 
+UNPADDED_HEAD = "unpadded-head"
 INDUCTOR_OPTIONS = {  # name: torch._inductor.config settings the compiled step is built under
     "default": {},
     # Programmatic dependent launch: each Triton kernel starts while the one before it ends (Hopper)
@@ -649,8 +661,11 @@ INDUCTOR_OPTIONS = {  # name: torch._inductor.config settings the compiled step 
     # residual fused in, against cuBLAS, at batch 1 and at 256
     "max-autotune-gemm": {"max_autotune_gemm": True},
     "max-autotune-gemm+coordinate-descent": {"max_autotune_gemm": True, "coordinate_descent_tuning": True},
+    # inductor's defaults with the head's rows as trained (GPT-2's 50,257): the control of the
+    # padding for_decoding gives a model on CUDA (GPT.pad_head_rows), which every other set has
+    UNPADDED_HEAD: {},
 }
-INDUCTOR_VARIANTS = ["MQA", "MHA"]  # batch 256, split-KV: the furthest from its floor and the nearest
+INDUCTOR_VARIANTS = ["MQA", "GQA", "MLA", "MHA"]  # batch 256, split-KV where it takes the heads
 
 
 def inductor_section(results: Results, device: torch.device, smoke: bool, names: list[str]) -> None:
@@ -658,26 +673,28 @@ def inductor_section(results: Results, device: torch.device, smoke: bool, names:
     batch-1 decode of each shape (tokens/s, seconds to build, GPU busy time, kernels a token, the
     greedy tokens) and the batch-256 split-KV step of INDUCTOR_VARIANTS, compiled under the options
     too (its FlexAttention kernel in decode_kernel_options' configuration; until 2026-11-27's second
-    rental these rows were the eager step captured). One set per process is the fair comparison:
+    rental these rows were the eager step captured). UNPADDED_HEAD builds them with the head's rows
+    as trained, not padded as for_decoding pads them on CUDA. One set per process is the fair comparison:
     inductor keeps what it tuned for the process's life. (2026-11-27, H200: PDL and coordinate
     descent changed nothing; max-autotune failed to compile the step.)"""
     import torch._inductor.config as inductor_config  # (slow to import: only where it is used)
 
     copy_gbs = ceilings(device, smoke)["copy GB/s"]
     for lever in names:
-        options = INDUCTOR_OPTIONS[lever]
+        options, pad_head = INDUCTOR_OPTIONS[lever], lever != UNPADDED_HEAD
         for name, shape in DECODE_SHAPES.items():
             label = f"{lever}: {name}"
-            measure(results, "inductor", label, lambda label=label, shape=shape, options=options: {
-                "options": options, **profile_decode(results.out, f"inductor {label}", shape, device, smoke,
-                                                     options)})
+            measure(results, "inductor", label, lambda label=label, shape=shape, options=options,
+                    pad_head=pad_head: {"options": options, **profile_decode(
+                        results.out, f"inductor {label}", shape, device, smoke, options, pad_head)})
         for variant in INDUCTOR_VARIANTS:
-            def row(variant=variant, options=options):
+            def row(variant=variant, options=options, pad_head=pad_head):
                 with inductor_config.patch(options):
                     batch = 4 if smoke else 256
                     return {"options": options, "batch": batch, **variant_row(
-                        VARIANTS[variant], batch, device, smoke, True, copy_gbs, backend="inductor")}
-            measure(results, "inductor", f"{lever}: {variant}, batch 256, split-KV", row)
+                        VARIANTS[variant], batch, device, smoke, True, copy_gbs, backend="inductor",
+                        pad_head=pad_head)}
+            measure(results, "inductor", f"{lever}: {variant}, batch 256", row)
 
 
 # ----------------------------------------------------------------------------- profile
@@ -757,9 +774,10 @@ def profile_training(out: Path, device: torch.device, smoke: bool, mode: str = "
 
 
 def profile_decode(out: Path, label: str, shape: tuple, device: torch.device, smoke: bool,
-                   options: dict | None = None) -> dict:
+                   options: dict | None = None, pad_head: bool = True) -> dict:
     """Batch-1 greedy decoding with the compiled step (bf16 on CUDA), as the decode section times it,
-    the step built under inductor's `options` (INDUCTOR_OPTIONS): tokens/s, the seconds the step
+    the model as for_decoding makes it (pad_head=False: its head as trained), the step built under
+    inductor's `options` (INDUCTOR_OPTIONS): tokens/s, the seconds the step
     took to build (compiling, tuning, capturing) and its first sample, the profile (its kernels in
     out/profile_<label>.txt), and a digest of its greedy tokens (equal across options when every
     kernel rounds alike) and whether they equal the eager step's."""
@@ -767,7 +785,7 @@ def profile_decode(out: Path, label: str, shape: tuple, device: torch.device, sm
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     _, ours = decode_models(decode_shape(shape, smoke), device)
-    ours = ours.to(dtype)
+    ours = decoding(ours, device, dtype, pad_head)
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     new = 16 if smoke else min(500, shape[1] - 2)
     clock = synchronized_clock(device)

@@ -51,12 +51,14 @@ def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
 def for_decoding(model, device="auto", precision: Precision = AUTO_PRECISION):
     """The model in eval mode, without gradients, on `device`, in the precision `precision` means
     there (int8 weights when it says so). (A weight that requires a gradient costs every matrix
-    product a CPU decode makes ~2 µs more, inference mode or not.)"""
+    product a CPU decode makes ~2 µs more, inference mode or not.) On CUDA its output layer's rows
+    are padded to a multiple of 64 (GPT.pad_head_rows: cuBLAS's aligned kernels)."""
     device = pick_device(device) if isinstance(device, str) else device
     dtype, quantize = precision.on(device, model.num_params())
     if quantize == "int8":
         quantize_int8(model)
-    return model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=DTYPES[dtype]).eval().requires_grad_(False)
+    return model.pad_head_rows() if device.type == "cuda" else model
 
 
 @dataclasses.dataclass(frozen=True)

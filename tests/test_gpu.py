@@ -20,7 +20,8 @@ from benchmarks.gpu import VARIANTS, SDPACalls, decode_step_kernels, training_ke
 from data.batches import Batches
 from model import GPT, GPTConfig
 from model.attention import SplitKV
-from model.generation import CompiledDecodeStep, decode_backends, draw, generate
+from model.device import Precision
+from model.generation import CompiledDecodeStep, decode_backends, draw, for_decoding, generate
 from tests.helpers import ROOT, clean_env, compose, split_kv_wide, tiny_model, train_checked
 from tests.model.test_generation import DECODE_VARIANTS
 from training.optimizer import BatchedMuon, configure_optimizer
@@ -143,7 +144,7 @@ def split_kv_and_sdpa_errors(variant: str, compiled: bool) -> tuple[float, float
     """(split-KV's, SDPA's) relative distance from the naive backend's logits, as the tests above say."""
     model = variant_model(VARIANTS[variant], CUDA, torch.bfloat16, smoke=False)
     naive = GPT(dataclasses.replace(model.config, attn_backend="naive")).to(CUDA, torch.bfloat16).eval()
-    naive.load_state_dict(model.state_dict())
+    naive.pad_head_rows().load_state_dict(model.state_dict())  # (the model's head is padded, as decoding's)
     cache = model.new_kv_cache(4)
     for t in cache.buffers:
         t.normal_(generator=torch.Generator(CUDA).manual_seed(0))
@@ -170,6 +171,21 @@ def test_the_compiled_step_at_batch_16_gives_the_eager_steps_tokens(float32_matm
     outs = [generate(model, prompts, 20, temperature=0, decode_step=step_or_eager)
             for step_or_eager in (step, None)]
     assert all(torch.equal(a, b) for a, b in zip(*outs)), [a.tolist() for a in outs[0]]
+
+
+def test_a_model_decoding_on_cuda_has_a_padded_head_and_the_unpadded_heads_tokens(float32_matmuls):
+    """for_decoding pads the head's rows on CUDA to a multiple of 64 (GPT-2's 50,257 to 50,304, for
+    cuBLAS's aligned kernels): float32, the inductor step's greedy tokens are the unpadded model's
+    eager ones, and its logits along them within 1e-5."""
+    model = tiny_model(pos_emb="rope", vocab_size=50257, **split_kv_wide({"n_kv_head": 2})).to(CUDA)
+    padded = for_decoding(copy.deepcopy(model), CUDA, Precision("float32", None))
+    assert padded.lm_head.weight.size(0) == 50304 and padded.wte.weight is padded.lm_head.weight
+    prompt = torch.arange(1, 8, device=CUDA)[None]                       # (1, 7)
+    with torch.no_grad():
+        tokens = generate(model, prompt, 16, temperature=0)              # (1, 23)
+        step = CompiledDecodeStep(padded, backend="inductor")
+        assert torch.equal(generate(padded, prompt, 16, temperature=0, decode_step=step), tokens)
+        torch.testing.assert_close(padded(tokens), model(tokens), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["cuda_graph", "inductor"])

@@ -130,6 +130,28 @@ def test_only_the_cache_moves_its_length():
     assert writers == []
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_padded_head_gives_the_same_logits_tokens_and_parameter_count(tied):
+    """pad_head_rows (for_decoding's on CUDA): the head's rows a multiple of 64, a tied embedding
+    sharing them; the logits are the unpadded head's, with and without the cache."""
+    from model.generation import CompiledDecodeStep, generate
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(tie_embeddings=tied, pos_emb="rope")).eval().requires_grad_(False)
+    idx = torch.randint(0, 37, (2, 9))
+    logits, n_params = model(idx), model.num_params()
+    tokens = generate(model, idx[:1, :3], 12, temperature=0)
+    model.pad_head_rows()
+    assert model.lm_head.weight.shape == (64, 16) and not model.lm_head.weight[37:].any()
+    assert (model.wte.weight is model.lm_head.weight) == tied and model.num_params() == n_params
+    torch.testing.assert_close(model(idx), logits, rtol=0, atol=1e-6)
+    assert model(idx).shape == (2, 9, 37)
+    assert torch.equal(generate(model, idx[:1, :3], 12, temperature=0), tokens)
+    step = CompiledDecodeStep(model, backend="aot_eager")
+    assert torch.equal(generate(model, idx[:1, :3], 12, temperature=0, decode_step=step), tokens)
+    assert model.pad_head_rows().lm_head.weight.shape == (64, 16)  # again: nothing more
+
+
 def test_cache_overflow_is_an_error():
     model = GPT(tiny_config())
     cache = model.new_kv_cache(1, max_len=4)
