@@ -58,9 +58,9 @@ def sample(args) -> None:
         raise ValueError("--prompt is empty: give at least one character, e.g. --prompt 'ROMEO:'")
     with naming("--device", "device"):
         device = pick_device(args.device)
-    with naming("ckpt"):
-        model, ckpt = load_model(args.ckpt, device, Precision("float32", None))
-    config, state = neox_weights(model.cpu())
+    with naming("ckpt"):  # on the CPU: the weights as trained (decoding on CUDA pads the head's rows)
+        model, ckpt = load_model(args.ckpt, torch.device("cpu"), Precision("float32", None))
+    config, state = neox_weights(model)
     hf = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**config)).eval()
     if "embed_out.weight" in hf.state_dict():  # (transformers before 5.x's rename)
         state["embed_out.weight"] = state.pop("lm_head.weight")

@@ -2,7 +2,8 @@
 --gpu they are skipped and the suite hides CUDA): the decode step gets a fused SDPA kernel for every
 attention variant, the static step (a CUDA graph, or compiled) gives the eager step's tokens and the
 uncached path's logits, the training step gets flash and as a CUDA graph trains as run as written,
-a run with it resumes and samples with no warning in the text, a torchrun job with more processes
+a run with it resumes and samples with no warning in the text, a model decoding on CUDA has its
+head's rows padded and the unpadded head's tokens, a torchrun job with more processes
 than GPUs is refused in one line, MFU's peak is read from the GPU's name, and BatchedMuon steps as
 PyTorch's Muon."""
 
