@@ -312,12 +312,26 @@ def with_sink_key(k, v, mask, sink_logit, shape, dtype):
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
     """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim) in float32, laid
     out for `apply_rope`: cos over both halves, sin negated over the first. Computed per call, from
-    the positions: no table, so no last position."""
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
-                                           device=positions.device) / head_dim)   # (head_dim/2,)
+    the positions: no table, so no last position. The frequencies are computed once per device
+    (five operations a decode step would repeat); a compiled step computes them in its graph."""
+    frequencies = rope_frequencies if torch.compiler.is_compiling() else kept_rope_frequencies
+    inv_freq = frequencies(head_dim, base, positions.device)            # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq                   # (*P, head_dim/2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (*P, head_dim) each
+
+
+def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """RoPE's head_dim/2 frequencies, base^(-2i/head_dim), in float32."""
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+
+
+@functools.cache
+def kept_rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+    """rope_frequencies, made once and kept; outside inference mode, so that training may use them
+    after a generation made them."""
+    with torch.inference_mode(False):
+        return rope_frequencies(head_dim, base, device)
 
 
 def apply_rope(x, cos, sin):
@@ -393,17 +407,18 @@ class CausalSelfAttention(Attention):
         (KVCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says which keys each
         query sees; without one, plainly causal (within the window): SDPA's fused kernels. A layer
         that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
-        has rotated both in one go."""
+        has rotated both in one go. (`split_with_sizes` is split's list form without its Python
+        wrapper, ~2 µs a call: eight calls a token on the CPU main job's model.)"""
         B, T, C = x.shape
         n_k = self.n_kv_head if self.makes_kv else 0                    # key heads made here
-        qk, v = self.qkv(x).split([C + self.kv_dim, self.kv_dim], dim=-1)
+        qk, v = self.qkv(x).split_with_sizes([C + self.kv_dim, self.kv_dim], dim=-1)
         qk = qk.view(B, T, self.n_head + n_k, self.head_dim).transpose(1, 2)  # (B, n_head + n_k, T, hd)
         if self.q_norm is not None:
-            q, k = qk.split([self.n_head, n_k], dim=1)
+            q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k) if n_k else k], dim=1)
         if rope is not None:
             qk = apply_rope(qk, *rope)
-        q, k = qk.split([self.n_head, n_k], dim=1)                       # (B, n_head, T, hd), (B, n_k, T, hd)
+        q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)            # (B, n_head, T, hd), (B, n_k, T, hd)
         if self.makes_kv:
             v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
             if kv_cache is not None:
@@ -445,11 +460,12 @@ class LatentAttention(Attention):
         B, T, C = x.shape
         hd, L, R = self.head_dim, self.latent_dim, self.rope_dim
         q = self.q(x).view(B, T, self.n_head, hd + R).transpose(1, 2)   # (B, n_head, T, hd + R)
-        q, q_rope = q.split([hd, R], dim=-1)                              # (B, n_head, T, hd), (.., R)
+        q, q_rope = q.split_with_sizes([hd, R], dim=-1)                   # (B, n_head, T, hd), (.., R)
         if rope is not None:
             q_rope = apply_rope(q_rope, *rope)
         if self.makes_kv:
-            c_raw, k_rope = self.kv_down(x).unsqueeze(1).split([L, R], dim=-1)  # (B, 1, T, L), (.., R)
+            down = self.kv_down(x).unsqueeze(1)                           # (B, 1, T, L + R)
+            c_raw, k_rope = down.split_with_sizes([L, R], dim=-1)         # (B, 1, T, L), (.., R)
             if rope is not None:
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
@@ -460,7 +476,7 @@ class LatentAttention(Attention):
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each
         scale = 1 / math.sqrt(hd + R)
         if kv_cache is None:  # plain form
-            c, k_rope = latent.split([L, R], dim=-1)                      # (B, 1, S, L), (B, 1, S, R)
+            c, k_rope = latent.split_with_sizes([L, R], dim=-1)           # (B, 1, S, L), (B, 1, S, R)
             S = latent.size(2)
             k = torch.cat([c @ w_k.transpose(1, 2),                       # (B, n_head, S, hd)
                            k_rope.expand(B, self.n_head, S, R)], dim=-1)  # (B, n_head, S, hd + R)
