@@ -69,6 +69,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Each window the layers have (None: the whole context), with the cache slot of its first
+        # layer: attention_masks makes one mask each, every step.
+        self.window_slots = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -246,10 +249,10 @@ class GPT(nn.Module):
         keys a layer with that window reads (KVCache.key_positions), or None where they are positions
         0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
         fused kernels run)."""
-        masks, c = {}, self.config
-        for window in dict.fromkeys(c.windows):
+        masks = {}
+        for window, slot in self.window_slots.items():
             key_pos = None if kv_cache is None else kv_cache.key_positions(
-                c.kv_windows.index(window), input_pos, cache_len, pad)           # (S,), (B, S) or None
+                slot, input_pos, cache_len, pad)                                 # (S,), (B, S) or None
             if key_pos is None and pad is not None:
                 S = input_pos.size(0) if kv_cache is None else cache_len
                 key_pos = torch.arange(S, device=input_pos.device)
