@@ -328,8 +328,8 @@ def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
 
 @functools.cache
 def kept_rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
-    """rope_frequencies, made once and kept; outside inference mode, so that training may use them
-    after a generation made them."""
+    """rope_frequencies, made once and kept: outside inference mode, an ordinary tensor whichever call
+    made it first (an inference tensor cannot be saved for a backward pass)."""
     with torch.inference_mode(False):
         return rope_frequencies(head_dim, base, device)
 

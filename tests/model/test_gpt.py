@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from model import GPT
-from tests.helpers import ATTENTION, ROOT, tiny_config
+from model.generation import generate
+from tests.helpers import ATTENTION, ROOT, tiny_config, tiny_model
 
 
 def test_gqa_with_n_kv_head_equal_n_head_is_mha():
@@ -128,6 +129,29 @@ def test_only_the_cache_moves_its_length():
     writers = [f"{p}:{i}" for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
                if re.search(r"\.length\s*(\+|-)?=[^=]", line)]
     assert writers == []
+
+
+def test_rope_frequencies_made_by_a_generation_train_and_equal_the_formula():
+    """RoPE's frequencies are made once and kept (a decode step's five operations fewer). Kept by a
+    generation, under inference mode, they must still serve a training step's backward pass, with
+    the gradients of frequencies made outside it; and they are the formula's, bit for bit."""
+    from model.attention import kept_rope_frequencies, rope_frequencies
+
+    def gradients():
+        model = tiny_model(seed=3, pos_emb="rope").train()
+        idx = torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(0))
+        model(idx, idx)[1].backward()
+        return [p.grad for p in model.parameters()]
+
+    kept_rope_frequencies.cache_clear()
+    expected = gradients()
+    kept_rope_frequencies.cache_clear()
+    with torch.inference_mode():
+        generate(tiny_model(pos_emb="rope"), torch.zeros(1, 1, dtype=torch.long), 3)
+    assert all(torch.equal(a, b) for a, b in zip(gradients(), expected))
+    head_dim = tiny_config().head_dim
+    assert torch.equal(kept_rope_frequencies(head_dim, 10000.0, torch.device("cpu")),
+                       rope_frequencies(head_dim, 10000.0))
 
 
 @pytest.mark.parametrize("tied", [True, False])
