@@ -312,8 +312,8 @@ def with_sink_key(k, v, mask, sink_logit, shape, dtype):
 def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
     """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim) in float32, laid
     out for `apply_rope`: cos over both halves, sin negated over the first. Computed per call, from
-    the positions: no table, so no last position. The frequencies are computed once per device
-    (five operations a decode step would repeat); a compiled step computes them in its graph."""
+    the positions: no table, so no last position. The frequencies are kept (a compiled step's graph
+    computes them)."""
     frequencies = rope_frequencies if torch.compiler.is_compiling() else kept_rope_frequencies
     inv_freq = frequencies(head_dim, base, positions.device)            # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq                   # (*P, head_dim/2)
@@ -407,8 +407,7 @@ class CausalSelfAttention(Attention):
         (KVCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says which keys each
         query sees; without one, plainly causal (within the window): SDPA's fused kernels. A layer
         that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
-        has rotated both in one go. (`split_with_sizes` is split's list form without its Python
-        wrapper, ~2 µs a call: eight calls a token on the CPU main job's model.)"""
+        has rotated both in one go. (split_with_sizes: split's list form without its Python wrapper.)"""
         B, T, C = x.shape
         n_k = self.n_kv_head if self.makes_kv else 0                    # key heads made here
         qk, v = self.qkv(x).split_with_sizes([C + self.kv_dim, self.kv_dim], dim=-1)
