@@ -21,10 +21,16 @@ def pyplot():
     return plt
 
 
-def import_in_background() -> None:
+def import_in_background() -> threading.Thread:
     """Import matplotlib (~0.5 s) on a thread, while the GPU trains, so that the loss plot at the
-    end does not wait for it (a later `pyplot()` waits for this import to end, if it has not)."""
-    threading.Thread(target=pyplot, name="matplotlib import", daemon=True).start()
+    end does not wait for it (a later `pyplot()` waits for this import to end, if it has not). Not a
+    daemon: a run that ends early (a full disk at its first checkpoint) waits for the import before
+    Python shuts down: Python 3.11 stops a daemon thread still importing with pthread_exit, which
+    inside matplotlib's C++ modules aborts the process ("terminate called without an active
+    exception"; the likely cause of one CI run's exit -6 there, on a fresh install)."""
+    thread = threading.Thread(target=pyplot, name="matplotlib import")
+    thread.start()
+    return thread
 
 
 def save_figure(fig, path, grid_axis: str = "both") -> None:
