@@ -242,7 +242,8 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:]                                                # (B, 1, n_embd)
         logits = self.lm_head(self.norm_f(x))                            # (B, T or 1, rows >= vocab_size)
-        return logits[..., :self.config.vocab_size]                      # (B, T or 1, vocab_size)
+        vocab = self.config.vocab_size  # (rows past it: pad_head_rows', on CUDA only)
+        return logits if logits.size(-1) == vocab else logits[..., :vocab]  # (B, T or 1, vocab_size)
 
     def attention_masks(self, input_pos, kv_cache=None, pad=None, cache_len=None) -> dict:
         """{window: mask} for each window the layers have (None: the whole context): the mask of the
