@@ -100,6 +100,11 @@ class KVCache:
     def write(self, slot, name, input_pos, x, read, pad):
         """Store x (B, heads, T, dim) at input_pos; return what attention reads (see key_positions)."""
         T, ring = x.size(2), self.rings[slot]
+        if not (ring or self.quantized or self.read_buffer):  # the plain cache: position p in cell p
+            stored = self.first_rows(name, slot, x.size(0))[0]                 # (B, heads, max_len, dim)
+            x = x if x.dtype == self.dtype else x.to(self.dtype)
+            stored.index_copy_(2, input_pos, x)
+            return x if read == T else stored[:, :, :read]                     # (B, heads, T or read, dim)
         stored, scales = self.first_rows(name, slot, x.size(0))               # (B, heads, slot length, .)
         old = None
         if self.reads_before_writing(slot, T, read):  # a copy: the store below overwrites slots of it
