@@ -46,41 +46,44 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     and the first `sinks`. `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
     to 1/sqrt(d_k). `sink_logit` (n_head,) is gpt-oss's learned sink: one more logit per head in
     every softmax, whose value is zero. `return_weights` (naive backend) also returns the weights
-    (B, n_head, T, S).
+    (B, n_head, T, S). Its arguments are checked here, then `attend_sdpa` or `attend_naive` runs;
+    the layers, whose arguments are right by construction, call those directly (no check a token).
     """
     check_attend_args(q, k, v, backend, return_weights)
-    B, n_head, T, d_k = q.shape
-    n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
-
     if backend == "sdpa":
-        # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
-        if is_causal and attn_mask is None and T == S and window is None and sink_logit is None:
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                                  scale=scale, enable_gqa=n_kv_head != n_head)
-        mask = attn_mask
-        if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
-            causal = causal_mask(T, S, q.device, window, sinks)
-            mask = causal if mask is None else mask & causal
-        if T == 1 and SplitKV.on and splits_kv(d_k, d_v, mask):
-            return attend_split_kv(q, k, v, mask, sink_logit, scale)
-        if sink_logit is not None:  # one more key, whose additive mask is the learned logit
-            k, v, mask = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
-            S += 1
-        if n_kv_head == n_head:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        # GQA, MQA, absorbed MLA: the n_rep query heads of a K/V head become n_rep x T queries of it,
-        # an MHA-shaped call that every fused kernel takes with a mask (none takes enable_gqa and a
-        # mask in PyTorch 2.11: its math fallback copies K and V per query head).
-        n_rep = n_head // n_kv_head
-        q = q.reshape(B, n_kv_head, n_rep * T, d_k)                        # (B, n_kv_head, n_rep*T, d_k)
-        if mask is not None:
-            mask = fold_mask(mask, n_kv_head, n_rep, T, S)                # (B or 1, ., n_rep*T, S)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
-        return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
-    if backend != "naive":
-        raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
+        return attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, scale)
     return attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights,
                         scale)
+
+
+def attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, scale):
+    """`attend` through PyTorch's fused kernels (scaled_dot_product_attention)."""
+    B, n_head, T, d_k = q.shape
+    n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
+    # SDPA's own is_causal is top-left aligned, so use it only where that is the same thing.
+    if is_causal and attn_mask is None and T == S and window is None and sink_logit is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                              scale=scale, enable_gqa=n_kv_head != n_head)
+    mask = attn_mask
+    if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
+        causal = causal_mask(T, S, q.device, window, sinks)
+        mask = causal if mask is None else mask & causal
+    if T == 1 and SplitKV.on and splits_kv(d_k, d_v, mask):
+        return attend_split_kv(q, k, v, mask, sink_logit, scale)
+    if sink_logit is not None:  # one more key, whose additive mask is the learned logit
+        k, v, mask = with_sink_key(k, v, mask, sink_logit, (B, n_head, T, S), q.dtype)
+        S += 1
+    if n_kv_head == n_head:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    # GQA, MQA, absorbed MLA: the n_rep query heads of a K/V head become n_rep x T queries of it,
+    # an MHA-shaped call that every fused kernel takes with a mask (none takes enable_gqa and a
+    # mask in PyTorch 2.11: its math fallback copies K and V per query head).
+    n_rep = n_head // n_kv_head
+    q = q.reshape(B, n_kv_head, n_rep * T, d_k)                        # (B, n_kv_head, n_rep*T, d_k)
+    if mask is not None:
+        mask = fold_mask(mask, n_kv_head, n_rep, T, S)                # (B or 1, ., n_rep*T, S)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
 
 
 def attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights, scale):
@@ -290,6 +293,8 @@ def check_attend_args(q, k, v, backend, return_weights) -> None:
         raise ValueError(f"attend: need S >= T, n_head % n_kv_head == 0, q and k of one width and "
                          f"v with k's heads and positions; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)} (n_head={n_head}, n_kv_head={n_kv_head})")
+    if backend not in ("sdpa", "naive"):
+        raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
     if return_weights and backend != "naive":
         raise ValueError("attend: return_weights=True needs backend='naive'")
 
@@ -379,10 +384,11 @@ class Attention(nn.Module):
             S = k.values.size(2)
             mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask
             return attend_quantized(q, k, v, mask, self.sinks, scale)
-        out = attend(q, k, v, is_causal=causal, window=self.window if causal else None, sinks=self.n_sinks,
-                     sink_logit=self.sinks, attn_mask=attn_mask, scale=scale,
-                     dropout_p=self.dropout if self.training else 0.0,
-                     backend="naive" if self.keep_weights else self.backend, return_weights=self.keep_weights)
+        window, dropout_p = self.window if causal else None, self.dropout if self.training else 0.0
+        if self.backend == "sdpa" and not self.keep_weights:
+            return attend_sdpa(q, k, v, causal, window, self.n_sinks, self.sinks, attn_mask, dropout_p, scale)
+        out = attend_naive(q, k, v, causal, window, self.n_sinks, self.sinks, attn_mask, dropout_p,
+                           self.keep_weights, scale)
         if self.keep_weights:
             out, self.weights = out
         return out
