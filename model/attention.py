@@ -406,7 +406,7 @@ class CausalSelfAttention(Attention):
         self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
-    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
+    def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
                 cache_len=None, pad=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
         K/V go to positions `input_pos` (T,) and the queries attend over what the cache reads
@@ -458,7 +458,7 @@ class LatentAttention(Attention):
         self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)  # (2 * n_head * hd, L)
         self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
-    def forward(self, x, *, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
+    def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
                 cache_len=None, pad=None):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""

@@ -52,9 +52,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.dropout = make_dropout(config)
 
-    def forward(self, x, **attn_kwargs):
-        """Returns the new x and the keys/values the attention used (for layers sharing them)."""
-        out, kv = self.attn(self.norm_1(x), **attn_kwargs)
+    def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
+                cache_len=None, pad=None):
+        """Returns the new x and the keys/values the attention used (for layers sharing them). The
+        other arguments are the attention's (CausalSelfAttention.forward), passed in its order."""
+        out, kv = self.attn(self.norm_1(x), rope, kv_cache, input_pos, attn_mask, shared_kv, cache_len, pad)
         x = x + self.dropout(out)
         return x + self.dropout(self.mlp(self.norm_2(x))), kv
 
@@ -237,8 +239,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
-            x, kv = block(x, rope=rope, kv_cache=kv_cache, input_pos=input_pos, shared_kv=kv,
-                          attn_mask=masks[block.attn.window], cache_len=cache_len, pad=pad)
+            x, kv = block(x, rope, kv_cache, input_pos, masks[block.attn.window], kv, cache_len, pad)
         if last_only:
             x = x[:, -1:]                                                # (B, 1, n_embd)
         logits = self.lm_head(self.norm_f(x))                            # (B, T or 1, rows >= vocab_size)
