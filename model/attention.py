@@ -46,8 +46,7 @@ def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, at
     and the first `sinks`. `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
     to 1/sqrt(d_k). `sink_logit` (n_head,) is gpt-oss's learned sink: one more logit per head in
     every softmax, whose value is zero. `return_weights` (naive backend) also returns the weights
-    (B, n_head, T, S). Its arguments are checked here, then `attend_sdpa` or `attend_naive` runs;
-    the layers, whose arguments are right by construction, call those directly (no check a token).
+    (B, n_head, T, S). Checked here; the layers call attend_sdpa or attend_naive (no check a token).
     """
     check_attend_args(q, k, v, backend, return_weights)
     if backend == "sdpa":
