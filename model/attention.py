@@ -377,12 +377,12 @@ class Attention(nn.Module):
         """`attend` with this layer's backend and dropout, causal (within the window) unless given a
         mask, which then says it all; naive (which can return them) when keeping the weights."""
         causal = attn_mask is None
-        if isinstance(k, Quantized) and self.keep_weights:  # the numbers it stands for, to the naive path
-            k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))
         if isinstance(k, Quantized):  # an int8 cache's one-token step: read as stored
-            S = k.values.size(2)
-            mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask
-            return attend_quantized(q, k, v, mask, self.sinks, scale)
+            if not self.keep_weights:
+                S = k.values.size(2)
+                mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask
+                return attend_quantized(q, k, v, mask, self.sinks, scale)
+            k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))  # to the naive path
         window, dropout_p = self.window if causal else None, self.dropout if self.training else 0.0
         if self.backend == "sdpa" and not self.keep_weights:
             return attend_sdpa(q, k, v, causal, window, self.n_sinks, self.sinks, attn_mask, dropout_p, scale)
@@ -430,7 +430,7 @@ class CausalSelfAttention(Attention):
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
-        out = out.transpose(1, 2).contiguous().view(B, T, C)            # (B, T, n_embd)
+        out = out.transpose(1, 2).reshape(B, T, C)                      # (B, T, n_embd)
         return self.proj(out), (k, v)
 
 
@@ -496,5 +496,5 @@ class LatentAttention(Attention):
             out = self.attend(torch.cat([q_latent, q_rope], dim=-1), latent, latent, attn_mask,
                               scale)[..., :L]                             # (B, n_head, T, L)
             out = torch.einsum("bhtl,hdl->bhtd", out, w_v)                # (B, n_head, T, hd)
-        out = out.transpose(1, 2).contiguous().view(B, T, C)            # (B, T, n_embd)
+        out = out.transpose(1, 2).reshape(B, T, C)                      # (B, T, n_embd)
         return self.proj(out), latent
