@@ -414,9 +414,9 @@ class CausalSelfAttention(Attention):
         that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
         has rotated both in one go. (split_with_sizes: split's list form without its Python wrapper.)"""
         B, T, C = x.shape
-        n_k = self.n_kv_head if self.makes_kv else 0                    # key heads made here
-        qk, v = self.qkv(x).split_with_sizes([C + self.kv_dim, self.kv_dim], dim=-1)
-        qk = qk.view(B, T, self.n_head + n_k, self.head_dim).transpose(1, 2)  # (B, n_head + n_k, T, hd)
+        n_k = self.n_kv_head if self.makes_kv else 0                    # key (and value) heads made here
+        heads = self.qkv(x).view(B, T, self.n_head + 2 * n_k, self.head_dim).transpose(1, 2)  # (B, ., T, hd)
+        qk, v = heads.split_with_sizes([self.n_head + n_k, n_k], dim=1)  # [q, k] heads, v heads
         if self.q_norm is not None:
             q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k) if n_k else k], dim=1)
@@ -424,7 +424,6 @@ class CausalSelfAttention(Attention):
             qk = apply_rope(qk, *rope)
         q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)            # (B, n_head, T, hd), (B, n_k, T, hd)
         if self.makes_kv:
-            v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, hd)
             if kv_cache is not None:
                 k, v = kv_cache.update(self.kv_slot, input_pos, k, v, read=cache_len, pad=pad)
         else:
