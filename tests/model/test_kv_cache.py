@@ -132,3 +132,20 @@ def test_a_cache_over_other_tensors_writes_them_and_leaves_its_own():
     view.update(1, torch.tensor([0]), k, v)
     assert all(not t.any() for t in cache.buffers)                      # its own: untouched
     assert view.stored["k"][1][:, :, 0].any() and view.stored["v_scale"][1][:, :, 0].any()
+
+
+def test_the_plain_cache_stores_at_the_positions_given_and_reads_its_own_memory():
+    """The core every other kind builds on: position p in cell p. A chunk into an empty cache reads
+    back what it was given; a later one reads the first `read` cells, a view of the cache's own
+    tensors (nothing copied a step); a batch smaller than the cache uses its first rows."""
+    cache = KVCache([None, None], batch_size=3, n_kv_head=2, max_len=8, key_dim=4)
+    k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    read_k, read_v = cache.update(1, torch.arange(5), k, v, read=5)
+    assert read_k is k and read_v is v and torch.equal(cache.stored["k"][1][:, :, :5], k)
+    cache.advance(5)
+    k1, v1 = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)                 # 2 of the 3 rows
+    read_k, read_v = cache.update(1, torch.tensor([5]), k1, v1, read=6)
+    assert read_k.shape == (2, 2, 6, 4) and read_k.data_ptr() == cache.stored["k"][1].data_ptr()
+    assert torch.equal(read_k, torch.cat([k[:2], k1], dim=2))
+    assert torch.equal(read_v, torch.cat([v[:2], v1], dim=2))
+    assert not cache.stored["k"][0].any()                                    # the other layer untouched
