@@ -415,8 +415,8 @@ class CausalSelfAttention(Attention):
         has rotated both in one go. (split_with_sizes: split's list form without its Python wrapper.)"""
         B, T, C = x.shape
         n_k = self.n_kv_head if self.makes_kv else 0                    # key (and value) heads made here
-        heads = self.qkv(x).view(B, T, self.n_head + 2 * n_k, self.head_dim).transpose(1, 2)  # (B, ., T, hd)
-        qk, v = heads.split_with_sizes([self.n_head + n_k, n_k], dim=1)  # [q, k] heads, v heads
+        heads = self.qkv(x).view(B, T, self.n_head + 2 * n_k, self.head_dim)   # (B, T, [q, k, v] heads, hd)
+        qk, v = heads.transpose(1, 2).split_with_sizes([self.n_head + n_k, n_k], dim=1)  # (B, heads, T, hd)
         if self.q_norm is not None:
             q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k) if n_k else k], dim=1)
