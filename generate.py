@@ -36,19 +36,12 @@ from data.prepare import read_text_files
 from data.tokenizer import TextStream, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
+from model.decode_step import CompiledDecodeStep
 from model.device import Precision, check_device, memory_bytes, pick_device
-from model.generation import (
-    MAX_WEIGHTS,
-    CompiledDecodeStep,
-    DecodeRecorder,
-    Sampling,
-    left_pad,
-    load_model,
-    stream,
-    timed_stream,
-    weights_to_record,
-)
+from model.generation import left_pad, load_model, stream, timed_stream
 from model.kv_cache import storage_dtype
+from model.recorder import MAX_WEIGHTS, DecodeRecorder, weights_to_record
+from model.sampling import Sampling
 from training.plots import pyplot, write_figure
 
 # New tokens a sample may ask for: more than any book-length text, and past it a sample would not end in

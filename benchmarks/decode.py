@@ -71,19 +71,15 @@ import torch
 import model.generation as generation
 from cli.errors import ArgumentParser, exit_on_user_error, naming
 from data.prepare import DataConfig, load_prepared, prepare
-from model import GPT, GPTConfig, Sampling, generate
+from model import GPT, GPTConfig, generate
 from model.checkpoint import find, latest_run
 from model.config import check_integer
 from model.convert import llama_weights
+from model.decode_step import CompiledDecodeStep
 from model.device import Precision
-from model.generation import (
-    CompiledDecodeStep,
-    for_decoding,
-    load_model,
-    stream,
-    timed_stream,
-)
+from model.generation import for_decoding, load_model, stream, timed_stream
 from model.kv_cache import KV_DTYPES
+from model.sampling import Sampling
 from training.evaluation import split_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -323,7 +319,8 @@ FLAG_STEPS = """import statistics, sys, torch
 sys.path.insert(0, {code!r})
 from model import GPT, GPTConfig
 from model.device import Precision
-from model.generation import CompiledDecodeStep, for_decoding, timed_stream
+from model.decode_step import CompiledDecodeStep
+from model.generation import for_decoding, timed_stream
 torch.manual_seed(0)
 model = for_decoding(GPT(GPTConfig(vocab_size=65, **{shape!r})), "cpu", Precision({dtype!r}, {quantize!r}))
 step = CompiledDecodeStep(model, {batch}) if {compiled} else None
@@ -389,7 +386,8 @@ VARIANT_STEPS = """import sys, time, torch
 sys.path.insert(0, {code!r})
 from torch.nn.attention import sdpa_kernel
 from model import GPT, GPTConfig
-from model.generation import decode_backends, decode_tokens_per_s
+from model.decode_step import decode_backends
+from model.generation import decode_tokens_per_s
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, pos_emb="rope",
                       **{fields!r})).eval()

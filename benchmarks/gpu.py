@@ -70,8 +70,9 @@ from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from model.attention import SplitKV  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
+from model.decode_step import CompiledDecodeStep, decode_backends  # noqa: E402
 from model.device import Precision, synchronized_clock  # noqa: E402
-from model.generation import CompiledDecodeStep, decode_backends, for_decoding, generate  # noqa: E402
+from model.generation import for_decoding, generate  # noqa: E402
 from training.evaluation import target_windows  # noqa: E402
 from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
 from training.run_dir import append_line  # noqa: E402
@@ -1040,7 +1041,8 @@ def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> di
     (CUDA already started): loading the checkpoint, building the default decode step, the prefill
     to the first token, the rest; then the step's GPU busy time per token against its wall time."""
     from model.device import Precision
-    from model.generation import Sampling, load_model, stream
+    from model.generation import load_model, stream
+    from model.sampling import Sampling
 
     clock = synchronized_clock(device)
     t0 = clock()

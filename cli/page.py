@@ -1,5 +1,5 @@
 """The inspect page generate.py writes (`inspect=page.html`): the template cli/inspect.html with
-a decode's recording (model.generation.DecodeRecorder) inlined as JSON, one self-contained file,
+a decode's recording (model.recorder.DecodeRecorder) inlined as JSON, one self-contained file,
 written complete or not at all (an earlier page at that path stays if the write fails)."""
 
 import json

@@ -1,7 +1,7 @@
-"""`attend`, the one attention core: n_head query heads over n_kv_head key/value heads (query head h
-reads K/V head h // (n_head // n_kv_head)), values of any width (MLA's are narrower than its keys).
-Built on it: `CausalSelfAttention` (MHA, GQA, MQA) and `LatentAttention` (MLA). Both return what they
-attended over, which the later layers of a `GPTConfig.kv_share` group attend over instead of their own.
+"""Attention: `attend`, the one core, and the layers built on it. It takes n_head query heads over
+n_kv_head key/value heads (query head h reads K/V head h // (n_head // n_kv_head)), values of any
+width (MLA's are narrower than its keys). `CausalSelfAttention` (MHA, GQA, MQA) and `LatentAttention`
+(MLA) return what they attended over: a `GPTConfig.kv_share` group's later layers attend over it.
 """
 
 import functools

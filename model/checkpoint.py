@@ -1,4 +1,4 @@
-"""The checkpoint format, read and written only here: one `torch.save` file of a dict whose keys
+"""The checkpoint format, read and written only here. It is one `torch.save` file of a dict whose keys
 are the fields of `Checkpoint`, written atomically (a temp file, then a rename) and read with
 `torch.load(weights_only=True)`, which never unpickles arbitrary objects; finding one in a run dir;
 and checking its weights against a model. `write_atomically` is also how every other file the

@@ -1,5 +1,5 @@
-"""Where and in what precision a model runs: the device a name picks (CPU, CUDA, Apple's MPS), its
-memory, the precision a model decodes in, and a clock that waits for the device."""
+"""Where and in what precision a model runs. Here: the device a name picks (CPU, CUDA, Apple's
+MPS), its memory, the precision a model decodes in, and a clock that waits for the device."""
 
 import os
 import re

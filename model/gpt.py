@@ -202,7 +202,7 @@ class GPT(nn.Module):
         too). `pad` (B,) counts left-padding tokens per row (batched prompts of different lengths):
         pads are never attended to and positions start after them. A negative pad is a row that
         started -pad positions earlier: its positions continue from there (a context cut from a
-        longer sequence, see generation.prefill).
+        longer sequence, see prefill.prefill).
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length

@@ -83,7 +83,7 @@ class KVCache:
             name: torch.empty(batch_size, n_kv_head, self.max_len, key_dim, dtype=self.compute_dtype,
                               device=device) for name in kv}
         self.length = 0
-        # A dict while an inspector records (generation.DecodeRecorder): each store of an int8 cache puts
+        # A dict while an inspector records (recorder.DecodeRecorder): each store of an int8 cache puts
         # there, under (slot, name), how far what it stored is from what it was given.
         self.errors = None
 

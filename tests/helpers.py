@@ -89,7 +89,8 @@ def cache_kind_model(overrides):
 def stream_logits(model, prompts, max_new_tokens: int, **kwargs) -> tuple[list, list]:
     """Each row's tokens, as `generate` returns them for a list of prompts, and the logits each new
     token was drawn from (the model's last forward before it): (rows, [(B, vocab)] per token)."""
-    from model.generation import Sampling, left_pad, stream
+    from model.generation import left_pad, stream
+    from model.sampling import Sampling
 
     sampling = Sampling(max_new_tokens, kwargs.pop("temperature", 0), kwargs.pop("top_k", None))
     idx, pad = left_pad(prompts, model.wte.weight.device)

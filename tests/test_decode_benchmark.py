@@ -11,7 +11,7 @@ import torch
 
 import model.generation as generation
 from benchmarks.decode import FLAG_SETS, FLAG_STEPS, PARTS, parts_timed, sample_seconds
-from model.generation import CompiledDecodeStep
+from model.decode_step import CompiledDecodeStep
 from tests.helpers import ROOT, tiny_model
 
 

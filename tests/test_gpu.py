@@ -21,8 +21,10 @@ from benchmarks.gpu import VARIANTS, SDPACalls, decode_step_kernels, training_ke
 from data.batches import Batches
 from model import GPT, GPTConfig
 from model.attention import SplitKV
+from model.decode_step import CompiledDecodeStep, decode_backends
 from model.device import Precision
-from model.generation import CompiledDecodeStep, decode_backends, draw, for_decoding, generate
+from model.generation import for_decoding, generate
+from model.sampling import draw
 from tests.helpers import ROOT, clean_env, compose, split_kv_wide, tiny_model, train_checked
 from tests.model.test_generation import DECODE_VARIANTS
 from training.optimizer import BatchedMuon, configure_optimizer

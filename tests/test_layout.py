@@ -1,8 +1,10 @@
-"""The layout every change keeps: train.py and the README short, no long functions, in model/ a
-code-first share of comments and docstrings, and imports that run one way down, in no circle."""
+"""The layout every change keeps: train.py and the README short, no long functions, imports that
+run one way down, in no circle, and in model/ files that each open with their one concern, import
+only the files below them and keep a code-first share of comments and docstrings."""
 
 import ast
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -130,5 +132,46 @@ def test_the_imports_have_no_circle():
     assert not circles
 
 
-def test_model_holds_at_most_ten_files():
-    assert len(list((ROOT / "model").glob("*.py"))) <= 10
+# ----------------------------------------------------------------------------- model/, file by file
+
+# model/'s files from the bottom up: each imports only files before it (the package's __init__,
+# its public face, sits on top). A new file takes its place here, which is where a reader finds
+# the order to read them in.
+MODEL_ORDER = ["config", "device", "kv_cache", "quantize", "attention", "gpt", "checkpoint", "convert",
+               "sampling", "prefill", "decode_step", "recorder", "generation", "__init__"]
+MODEL_FILES = sorted((ROOT / "model").glob("*.py"))
+
+
+def model_imports(path: Path) -> set[str]:
+    """The files of model/ that `path` imports, by stem: `from model.x import a` and `from model
+    import x` (x a file) are x; `from model import A` (a name of the package) is __init__."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "model":
+            found |= {a.name if (ROOT / "model" / f"{a.name}.py").exists() else "__init__"
+                      for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.startswith("model."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("model.")}
+    return found - {path.stem}
+
+
+def test_every_model_file_has_its_place_in_the_order():
+    assert sorted(MODEL_ORDER) == sorted(p.stem for p in MODEL_FILES)
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: p.name)
+def test_a_model_file_imports_only_the_files_below_it(path):
+    below = set(MODEL_ORDER[:MODEL_ORDER.index(path.stem)])
+    assert model_imports(path) <= below, sorted(model_imports(path) - below)
+
+
+@pytest.mark.parametrize("path", MODEL_FILES, ids=lambda p: p.name)
+def test_a_model_file_opens_with_its_one_concern(path):
+    """Its docstring's first sentence names what the file is for, in at most 30 words: a concern,
+    not a table of contents."""
+    docstring = ast.get_docstring(ast.parse(path.read_text()))
+    assert docstring, "no opening docstring"
+    first = re.split(r"(?<=[.!?])\s", " ".join(docstring.split()), maxsplit=1)[0]
+    assert first.endswith((".", "!", "?")) and len(first.split()) <= 30, first

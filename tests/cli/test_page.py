@@ -15,7 +15,9 @@ import torch
 
 from cli.page import write_inspect_page
 from data.tokenizer import BPETokenizer
-from model.generation import DecodeRecorder, Sampling, stream
+from model.generation import stream
+from model.recorder import DecodeRecorder
+from model.sampling import Sampling
 from tests.helpers import (
     ATTENTION,
     BOUNDED,

@@ -15,19 +15,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.gpu import SDPACalls
 from model import GPT
 from model.attention import SplitKV
-from model.generation import (
-    CompiledDecodeStep,
-    Sampling,
-    decode_backends,
-    generate,
-    int8_weights,
-    load_model,
-    new_tokens_allowed,
-    sample_next,
-    step_package,
-    stream,
-)
+from model.decode_step import CompiledDecodeStep, decode_backends, int8_weights, step_package
+from model.generation import generate, load_model, new_tokens_allowed, stream
 from model.quantize import quantize_int8
+from model.sampling import Sampling, sample_next
 from tests.helpers import (
     ATTENTION,
     BOUNDED,

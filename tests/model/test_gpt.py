@@ -158,7 +158,8 @@ def test_rope_frequencies_made_by_a_generation_train_and_equal_the_formula():
 def test_a_padded_head_gives_the_same_logits_tokens_and_parameter_count(tied):
     """pad_head_rows (for_decoding's on CUDA): the head's rows a multiple of 64, a tied embedding
     sharing them; the logits are the unpadded head's, with and without the cache."""
-    from model.generation import CompiledDecodeStep, generate
+    from model.decode_step import CompiledDecodeStep
+    from model.generation import generate
 
     torch.manual_seed(0)
     model = GPT(tiny_config(tie_embeddings=tied, pos_emb="rope")).eval().requires_grad_(False)

@@ -12,9 +12,11 @@ import torch.nn as nn
 
 from model import GPT, GPTConfig, checkpoint, generate
 from model.checkpoint import Checkpoint
+from model.decode_step import CompiledDecodeStep, step_package
 from model.device import Precision
-from model.generation import CompiledDecodeStep, Sampling, load_model, step_package, stream
+from model.generation import load_model, stream
 from model.quantize import Int8Linear, quantize_int8
+from model.sampling import Sampling
 from tests.helpers import tiny_model
 
 # Input widths: multiples of 16 (as is), of 8 only (the AVX512 kernel fails, AVX2's does not), and

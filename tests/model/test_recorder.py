@@ -1,4 +1,4 @@
-"""model/generation.py's DecodeRecorder: what it keeps of a decode is the decode's own, for every
+"""model/recorder.py: DecodeRecorder: what it keeps of a decode is the decode's own, for every
 attention option and cache kind: the tokens it printed, the slot layout a cache of that kind must have, and
 weights equal to the naive backend's over the same context, uncached."""
 
@@ -7,7 +7,9 @@ import functools
 import pytest
 import torch
 
-from model.generation import DecodeRecorder, Sampling, left_pad, stream, weights_to_record
+from model.generation import left_pad, stream
+from model.recorder import DecodeRecorder, weights_to_record
+from model.sampling import Sampling
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_model
 
 # Every attention option with RoPE, and full attention with learned positions; a prompt of 30 tokens

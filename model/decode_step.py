@@ -1,0 +1,344 @@
+"""The one-token decode step, built once for a model and its static KV cache. It is compiled by
+torch.compile, exported ahead of time as an AOTInductor package (an int8 model on a CPU), or
+captured as a CUDA graph that also draws the next token; here too, the SDPA kernels a decode uses."""
+
+import contextlib
+import functools
+import getpass
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from model.attention import SplitKV
+from model.config import check_integer
+from model.kv_cache import storage_dtype
+from model.sampling import Sampling, sample_next
+
+
+def decode_backends(device: torch.device) -> list[SDPBackend]:
+    """The SDPA kernels a decode may use, in the order it prefers them. Never cuDNN's attention: it
+    builds an execution plan per exact shape (~50 ms each on an H200), and an eager decode's key
+    length grows by one a token (`stream` runs under `CudnnAttentionOff`). Flash takes an unmasked
+    call and, on a CPU, a masked one; on CUDA memory-efficient attention takes a masked call (the
+    static step's unwritten slots, padding, a ring). Compiled on a CPU, SDPA's math kernel becomes a
+    loop over the keys that recomputes the query's RoPE per key (3.4x slower; benchmarks/RESULTS.md)."""
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+class CudnnAttentionOff:
+    """A context in which SDPA never picks cuDNN's attention (decode_backends says why), restored
+    on exit. A flag, not sdpa_kernel's priority list: entering and leaving it costs ~1 µs a token
+    on a 2-core CPU, sdpa_kernel's ~37 µs (4% of the CPU's eager step of a tiny model)."""
+
+    def __enter__(self):
+        self.was = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+    def __exit__(self, *exc):
+        torch.backends.cuda.enable_cudnn_sdp(self.was)
+
+
+STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")
+
+
+class CompiledDecodeStep:
+    """The one-token step built once for a model, with one static KV cache (block_size slots per
+    layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
+    `stream` given this step reuses. The cache, token, pad and position are tensors allocated here
+    and written in place (a smaller batch uses the first rows), so every prompt length, number of
+    new tokens and batch up to batch_size runs one graph. `backend` says how:
+
+        cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
+                    generated, captured in well under a second; `generate.py`'s default on CUDA
+        inductor    torch.compile generates the step's code (fused kernels), on CUDA captured as a
+                    CUDA graph too: seconds to compile, the fastest step once compiled
+        aot_eager   torch.compile traces the same graph and runs it eagerly: a quick check of the
+                    traced step (tests, the GPU plan's smoke run)
+
+    On CUDA nothing the step reads changes shape: it reads every slot, unwritten ones masked, and
+    draws the next token inside the graph too (`sampler`), so the host launches one graph a token.
+    With `split_kv` (by default when inductor compiles) its one-query attention is split across the
+    GPU's multiprocessors (`attend_split_kv`). On a CPU it reads the slots written so far, in a
+    graph compiled once for any number of them (one dynamic dimension), called with no guard of
+    torch.compile's checked (the step is its model's and its cache's). An int8 model's CPU step is
+    compiled ahead of time instead (`ahead_of_time`): weights frozen in, kept on disk as an
+    AOTInductor package a later process loads in milliseconds, run by its C++ runner. Built and run
+    once when made: what that prints comes before a sample's text."""
+
+    def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
+                 split_kv: bool | None = None):
+        device = model.wte.weight.device
+        check_integer(batch_size, "batch_size", 1)
+        if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
+            raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
+                             f"{backend!r} for a model on {device.type}")
+        self.model, self.split_kv = model, backend == "inductor" if split_kv is None else split_kv
+        # On a CPU, inductor's step of an int8 model is compiled ahead of time, its weights frozen in
+        self.frozen = backend == "inductor" and device.type == "cpu" and int8_weights(model)
+        self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
+                                        storage_dtype(kv_dtype, "kv_dtype"))
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
+        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
+        self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
+        self.backend = backend
+        # SDPA's kernels, set around every call that compiles or captures the step (set inside the
+        # traced function, they keep AOTAutograd's cache from storing it: ~1 s of each CPU start).
+        self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
+        self.inputs = (self.token, self.input_pos, self.cache, self.pad)
+        # On a CPU, a cache that is not one ring is read up to its last written slot: slots[:n],
+        # whose size n is the step's one dynamic dimension. (A ring reads every slot.)
+        reads_written = device.type != "cuda" and not self.cache.ring
+        self.slots = torch.empty(self.cache.max_len, device=device) if reads_written else None
+
+        def logits_at(token, input_pos, cache, pad, slots=None):
+            return model.logits_at(token, input_pos, cache, pad, None if slots is None else slots.size(0))
+
+        with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
+            # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
+            warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
+            # nor is autotune's own use of a deprecated storage API (timing an int8 step's products)
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            if device.type == "cuda":
+                self.run = self.captured(logits_at if backend == "cuda_graph" else
+                                         self.compiled(logits_at, backend))
+            else:
+                self.run = (self.ahead_of_time(logits_at) if self.frozen else
+                            self.compiled_reading_written(self.compiled(logits_at, backend), logits_at))
+                # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
+                # be compiled as constants).
+                self.cache.advance(min(1, self.cache.max_len - 1))
+                self(self.token, self.cache)
+                self.cache.reset()
+
+    def compiled(self, logits_at, backend: str):
+        """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
+        as a CUDA graph after), or on a CPU one whose `slots` size is dynamic."""
+        on_cpu = self.token.device.type == "cpu"
+        if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
+            for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
+                           self.input_pos]:
+                torch._dynamo.mark_static_address(buffer)
+        # A code object of its own: dynamo's recompile limit (8) counts the graphs of one code object.
+        logits_at.__code__ = logits_at.__code__.replace()
+        # No guard runs per call: like a CUDA graph, the step serves one model and one cache, read in
+        # place (dynamo's ~500 guards cost the main job's CPU step a quarter of its time). On a CPU,
+        # inductor's wrapper around its kernels is C++ too (cpp_wrapper): another fifth.
+        options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
+        if backend == "inductor" and on_cpu:
+            options["cpp_wrapper"] = True
+        dynamic = None if self.slots is not None else False  # None: a size that changes (slots') is dynamic
+        return torch.compile(logits_at, backend=backend, dynamic=dynamic, fullgraph=True, options=options)
+
+    def compiled_reading_written(self, step, logits_at):
+        """run(reads) on a CPU: the compiled step over the first `reads` slots (all of them for a ring)."""
+        compiled = False
+
+        def run(reads: int):
+            nonlocal compiled
+            if self.slots is None:
+                return step(*self.inputs)
+            slots = self.slots[:reads]                                     # (reads,)
+            if reads < 2:  # 1 slot (a refill that kept no token): a size dynamo makes a constant
+                with self.kernels():
+                    return logits_at(*self.inputs, slots)  # so it runs eagerly
+            # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
+            # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
+            if not compiled:
+                torch._dynamo.mark_dynamic(slots, 0)
+                compiled = True
+            return step(*self.inputs, slots)
+
+        return run
+
+    def ahead_of_time(self, logits_at):
+        """run(reads) on a CPU for an int8 model: the step exported (torch.export) and compiled by
+        AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
+        package (`step_package`) that a later process loads in milliseconds, and called through
+        the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
+        slots outside those it was exported for (below 2, or where export specialised) runs eagerly."""
+        path = step_package(self.model, self.cache)
+        reads_written = self.slots is not None
+        # a ring reads every slot: its `slots` input is a placeholder of fixed size
+        slots = self.slots[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
+        tensors = self.cache.tensors
+        if not path.exists():
+            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, slots, tensors),
+                        reads_written, path, self.kernels)
+        # The package's own runner, not torch._inductor.aoti_load_package: that imports inductor (~3 s)
+        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        low, high = (int(n) for n in runner.get_metadata()["reads"].split())
+        inputs = [self.token, self.input_pos, self.pad, slots, *tensors]
+
+        def run(reads: int):
+            if reads_written and not low <= reads <= high:
+                with self.kernels():
+                    return logits_at(*self.inputs, self.slots[:reads])
+            if reads_written:
+                inputs[3] = self.slots[:reads]                             # (reads,)
+            return runner.run(inputs)[0]
+
+        return run
+
+    def captured(self, logits_at):
+        """run(reads) on CUDA: logits_at over the static inputs captured as a CUDA graph (`capture`),
+        each call a replay whose logits are written to the same tensor."""
+        self.body, self.sampling_graphs = logits_at, {}
+        graph, logits = self.capture(lambda: logits_at(*self.inputs))    # (batch_size, 1, vocab)
+        self.graph = graph  # (kept alive with its memory pool)
+
+        def run(reads: int):
+            graph.replay()
+            return logits
+
+        return run
+
+    def capture(self, body, generator=None, restore_rng=False):
+        """(a CUDA graph of body(), what body returned): warmed up twice on a side stream (as capturing
+        needs: lazy initialisations; torch.compile's or an int8 cache's kernel compiled), then
+        recorded once, in a memory pool of its own, with attention split across the GPU (split_kv)
+        and SDPA's kernels in the step's order (decode_backends).
+        With restore_rng the warm-ups leave `generator` (None: CUDA's default) as they found it, and
+        the graph advances it at every replay as the eager draws would."""
+        split = SplitKV() if self.split_kv else contextlib.nullcontext()
+        if restore_rng:  # (the warm-ups draw too)
+            rng = torch.cuda.get_rng_state() if generator is None else generator.get_state()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), split, self.kernels():
+            for _ in range(2):
+                body()
+        torch.cuda.current_stream().wait_stream(side)
+        if restore_rng:
+            torch.cuda.set_rng_state(rng) if generator is None else generator.set_state(rng)
+        graph = torch.cuda.CUDAGraph()
+        if generator is not None:
+            graph.register_generator_state(generator)
+        with split, self.kernels(), torch.cuda.graph(graph):
+            out = body()
+        return graph, out
+
+    def sampler(self, sampling: Sampling, vocab_size, generator, B: int):
+        """On CUDA, a step that also draws the next tokens, (token (B, 1), cache, pad) -> (B,): one
+        CUDA graph of the step and `sample_next` (greedy, temperature, top-k, top-p, `generator`),
+        captured on the first call for each way of sampling and batch size (the draws of a smaller
+        batch are others), kept for the 4 latest. The same tokens as sampling after the step's logits,
+        seeded too. None on a CPU, or for a list of generators (one per row: drawn after the step)."""
+        if self.token.device.type != "cuda" or isinstance(generator, (list, tuple)):
+            return None
+        key = (B, sampling.temperature, sampling.top_k, sampling.top_p, vocab_size, generator)
+        if key not in self.sampling_graphs:
+            if len(self.sampling_graphs) == 4:
+                del self.sampling_graphs[next(iter(self.sampling_graphs))]
+            with torch.inference_mode():
+                logits = lambda: self.body(*self.inputs)[:B, -1, :vocab_size]  # noqa: E731  (B, vocab)
+                self.sampling_graphs[key] = self.capture(lambda: sample_next(logits(), sampling, generator),
+                                                         generator, restore_rng=True)
+        graph, drawn = self.sampling_graphs[key]                         # drawn: (B,)
+
+        def step_and_draw(token, cache, pad=None):
+            self.write_inputs(token, cache, pad)
+            graph.replay()
+            cache.advance(1)
+            return drawn
+
+        return step_and_draw
+
+    def write_inputs(self, token, cache, pad=None):
+        """token (B, 1), B <= batch_size, pad (B,) or None and the slot cache.length to the static inputs."""
+        B = token.size(0)
+        self.token[:B] = token
+        self.pad[:B] = 0 if pad is None else pad
+        self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
+
+    def __call__(self, token, cache, pad=None):
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length: read them
+        before the next call, which writes over them."""
+        self.write_inputs(token, cache, pad)
+        logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
+        cache.advance(1)
+        return logits[:token.size(0), -1]
+
+
+def int8_weights(model) -> bool:
+    """Whether every product of the model's layers is an int8 one (quantize_int8): no nn.Linear left."""
+    return not any(isinstance(module, torch.nn.Linear) for module in model.modules())
+
+
+class ExportedStep(torch.nn.Module):
+    """The one-token step as torch.export takes it: the cache's tensors are inputs (a tensor export
+    finds on a Python object it keeps as a constant, and the compiled step would write into a copy)."""
+
+    def __init__(self, model, cache, reads_written: bool):
+        super().__init__()
+        self.model, self.cache, self.reads_written = model, cache, reads_written
+
+    def forward(self, token, input_pos, pad, slots, tensors):
+        reads = slots.size(0) if self.reads_written else None
+        return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
+
+
+def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
+    """Export the step over `cache` (example: token, input_pos, pad, slots, the cache's tensors) with
+    the size of `slots` dynamic from 2 to the cache's length where it reads the written slots (a cache
+    of 1 or 2 slots: the example's size alone), and
+    compile it with AOTInductor into the package `path`, which records in its metadata the sizes
+    export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
+    of it)."""
+    import torch._inductor
+    from torch._inductor.exc import InductorError
+
+    dynamic = reads_written and cache.max_len > 2
+    slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
+    with kernels(), torch.inference_mode(False), torch.no_grad():
+        program = torch.export.export(ExportedStep(model, cache, reads_written), example,
+                                      dynamic_shapes=(None, None, None, slots_dims, [None] * len(example[4])))
+    slots = next(node for node in program.graph.find_nodes(op="placeholder") if node.name == "slots")
+    reads = slots.meta["val"].size(0)                                    # a SymInt where it stayed dynamic
+    if isinstance(reads, torch.SymInt):
+        bounds = program.range_constraints[reads.node.expr]
+        low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))
+    else:
+        low = high = reads
+    # Inductor's C++ int8 products, untimed (they won at every shape, and each timing costs ~3.5 s);
+    # where its template takes no product (a CPU, a shape), each is timed against ATen's.
+    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
+               "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
+               "aot_inductor.metadata": {"reads": f"{low} {high}"}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")  # whole or absent: renamed when written
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+    except InductorError:
+        options["max_autotune_gemm_backends"] = "CPP,ATEN"
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+    os.replace(partial, path)
+
+
+def step_package(model, cache) -> Path:
+    """Where the AOTInductor package of `model`'s CPU step over `cache` is kept: in inductor's cache
+    folder (TORCHINDUCTOR_CACHE_DIR, or its default), under a digest of all the package depends on:
+    the weights (frozen in), the config, the cache's shape and dtype, the model's code, PyTorch's
+    version and the CPU's vector instructions. Any other model, cache or code gets a package of its own."""
+    digest = hashlib.blake2b(weights_digest(model).encode(), digest_size=16)
+    shape = [tuple(t.shape) for t in cache.buffers], cache.dtype, cache.compute_dtype
+    for part in (repr(model.config), repr(shape), torch.__version__, torch.backends.cpu.get_cpu_capability()):
+        digest.update(part.encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(source.read_bytes())
+    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"  # inductor's own
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default
+    return Path(folder) / "kvgpt" / f"decode-step-{digest.hexdigest()}.pt2"
+
+
+def weights_digest(model) -> str:
+    """A digest of every weight and buffer of `model`, bytes and names (0.06 s for 43 MB)."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
