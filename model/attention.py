@@ -363,7 +363,7 @@ class Attention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.makes_kv = layer_idx % config.kv_share == 0
-        self.kv_slot = layer_idx // config.kv_share  # the KVCache slot of this layer's group
+        self.kv_group = layer_idx // config.kv_share  # its group's cache: KVCache.groups[kv_group]
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.backend, self.dropout = config.attn_backend, config.dropout
         self.window = config.layer_window(layer_idx)  # None: this layer sees the whole context
@@ -409,7 +409,7 @@ class CausalSelfAttention(Attention):
                 cache_len=None, pad=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
         K/V go to positions `input_pos` (T,) and the queries attend over what the cache reads
-        (KVCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says which keys each
+        (GroupCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says which keys each
         query sees; without one, plainly causal (within the window): SDPA's fused kernels. A layer
         that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
         has rotated both in one go. (split_with_sizes: split's list form without its Python wrapper.)"""
@@ -425,7 +425,7 @@ class CausalSelfAttention(Attention):
         q, k = qk.split_with_sizes([self.n_head, n_k], dim=1)            # (B, n_head, T, hd), (B, n_k, T, hd)
         if self.makes_kv:
             if kv_cache is not None:
-                k, v = kv_cache.update(self.kv_slot, input_pos, k, v, read=cache_len, pad=pad)
+                k, v = kv_cache.groups[self.kv_group].update(input_pos, k, v, cache_len, pad)
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
@@ -473,7 +473,7 @@ class LatentAttention(Attention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.update(self.kv_slot, input_pos, latent, read=cache_len, pad=pad)
+                latent, _ = kv_cache.groups[self.kv_group].update(input_pos, latent, None, cache_len, pad)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

@@ -71,9 +71,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        # Each window the layers have (None: the whole context), with the cache slot of its first
+        # Each window the layers have (None: the whole context), with the cache group of its first
         # layer: attention_masks makes one mask each, every step.
-        self.window_slots = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
+        self.window_groups = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -248,13 +248,13 @@ class GPT(nn.Module):
 
     def attention_masks(self, input_pos, kv_cache=None, pad=None, cache_len=None) -> dict:
         """{window: mask} for each window the layers have (None: the whole context): the mask of the
-        keys a layer with that window reads (KVCache.key_positions), or None where they are positions
+        keys a layer with that window reads (GroupCache.key_positions), or None where they are positions
         0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
         fused kernels run)."""
         masks = {}
-        for window, slot in self.window_slots.items():
-            key_pos = None if kv_cache is None else kv_cache.key_positions(
-                slot, input_pos, cache_len, pad)                                 # (S,), (B, S) or None
+        for window, group in self.window_groups.items():
+            key_pos = None if kv_cache is None else kv_cache.groups[group].key_positions(
+                input_pos, cache_len, pad)                                       # (S,), (B, S) or None
             if key_pos is None and pad is not None:
                 S = input_pos.size(0) if kv_cache is None else cache_len
                 key_pos = torch.arange(S, device=input_pos.device)

@@ -62,8 +62,8 @@ class DecodeRecorder:
 
     def before_forward(self, model, args, kwargs):
         cache = kwargs.get("kv_cache")
-        if cache is not None and cache.quantized:
-            cache.errors = {}  # filled by each store of this forward
+        for _, _, stored in [] if cache is None or not cache.quantized else cache.stores():
+            stored.keep_error, stored.error = True, None  # set by each write of this forward
 
     def after_forward(self, model, args, kwargs, output):
         """What this forward pass left: each group's slots, the last query's weights per layer."""
@@ -79,11 +79,11 @@ class DecodeRecorder:
         shift = len(self.tokens) - end                    # column end-1 holds the latest token
         input_pos = torch.arange(start, end, device=args[0].device)  # (T,)
         groups = [self.held_columns(cache, g, input_pos, end, row_pad)
-                  for g in range(1 if cache is None else len(cache.slot_lens))]
+                  for g in range(1 if cache is None else len(cache.groups))]
         weights = []
         for block in self.model.blocks:
-            g = 0 if cache is None else block.attn.kv_slot
-            keys = None if cache is None else cache.key_positions(g, input_pos, end, row_pad)
+            g = 0 if cache is None else block.attn.kv_group
+            keys = None if cache is None else cache.groups[g].key_positions(input_pos, end, row_pad)
             w = block.attn.weights[0, :, -1].float().cpu()                  # (n_head, S): the last query's
             keys = torch.arange(w.size(-1)) if keys is None else keys.reshape(-1).cpu()  # (S,) columns
             weights.append(over_slots(w, keys, groups[g]))
@@ -93,10 +93,11 @@ class DecodeRecorder:
                 self.refilled = True
             self.first_start = start if self.first_start is None else self.first_start
         errors = None  # int8: per group, K's and V's relative error (None: V is inside K)
-        if cache is not None and cache.errors is not None:
-            errors = [[float(cache.errors[g, name]) if (g, name) in cache.errors else None
-                       for name in ("k", "v")] for g in range(len(groups))]
-            cache.errors = None
+        if cache is not None and cache.quantized:
+            errors = [[None, None] for _ in groups]
+            for g, name, stored in cache.stores():
+                errors[g][name == "v"] = None if stored.error is None else float(stored.error)
+                stored.keep_error = False
         offset = shift + (0 if pad is None else int(pad[0]))  # the token at position 0
         self.last = dict(shift=shift, offset=offset, start=start, groups=groups, weights=weights,
                          errors=errors)
@@ -109,7 +110,7 @@ class DecodeRecorder:
         if cache is None:
             held = torch.arange(end)
         else:
-            held = cache.key_positions(g, input_pos[-1:], None, row_pad).reshape(-1).cpu()  # (slots,)
+            held = cache.groups[g].key_positions(input_pos[-1:], None, row_pad).reshape(-1).cpu()  # (cells,)
         padding = held < (0 if row_pad is None else int(row_pad))  # a negative pad: no column is one
         return held.masked_fill((held >= end) | padding, -1)
 
@@ -128,7 +129,7 @@ class DecodeRecorder:
             groups.append({"seq": seq.tolist(), "written": written})
         weights = []  # [layer][head][slot], over the slots its group uses
         for block, w in zip(self.model.blocks, last["weights"]):
-            used = len(groups[0 if self.cache is None else block.attn.kv_slot]["seq"])
+            used = len(groups[0 if self.cache is None else block.attn.kv_group]["seq"])
             weights.append([[round(x, WEIGHT_DECIMALS) for x in head[:used]] for head in w.double().tolist()])
         self.steps.append({"token": token, "offset": last["offset"], "groups": groups, "weights": weights,
                            "errors": last["errors"], "refill": last["start"] if self.refilled else None})
@@ -166,12 +167,12 @@ def describe_model(c, params: int) -> dict:
 
 def describe_cache(c, cache) -> dict:
     """The cache's kind and bytes: the formula's and the tensors' own, per group of layers."""
-    groups = [{"slots": n, "ring": ring, "window": window,
+    groups = [{"slots": group.cells, "ring": group.ring, "window": window,
                "layers": [i for i in range(c.n_layer) if i // c.kv_share == g],
-               "bytes": sum(tensors[g].nbytes for tensors in cache.stored.values())}
-              for g, (n, ring, window) in enumerate(zip(cache.slot_lens, cache.rings, cache.windows))]
+               "bytes": sum(t.nbytes for stored in (group.k, group.v) if stored for t in stored.tensors)}
+              for g, (group, window) in enumerate(zip(cache.groups, cache.windows))]
     return {"dtype": str(cache.dtype).removeprefix("torch."), "itemsize": cache.dtype.itemsize,
             "quantized": cache.quantized, "formula": c.kv_cache_formula(), "sinks": cache.sinks,
             "bytes_per_token": cache.bytes_per_token, "nbytes": cache.nbytes, "rows": cache.batch_size,
-            "groups": groups, "scales_bytes": sum(t.nbytes for name, ts in cache.stored.items()
-                                                  if name.endswith("_scale") for t in ts)}
+            "groups": groups, "scales_bytes": sum(stored.tensors[1].nbytes for _, _, stored in cache.stores()
+                                                  if cache.quantized)}

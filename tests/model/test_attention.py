@@ -184,7 +184,7 @@ def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
     for positions, kernel in ((COMPILE_FROM // per_position - 1, attend_one_query),
                               (COMPILE_FROM // per_position, compiled_attend_one_query())):
         cache = KVCache([None], 2, 2, positions, 32, dtype=torch.int8)
-        keys, scales = cache.stored["k"][0], cache.stored["k_scale"][0]   # (2, 2, positions, 32), (.., 1)
+        keys, scales = cache.groups[0].k.tensors                          # (2, 2, positions, 32), (.., 1)
         for read in (1, positions // 2, positions):  # the first step, one halfway, the last
             assert one_query_kernel(q, Quantized(keys[:, :, :read], scales[:, :, :read])) is kernel
         assert one_query_kernel(q[:1], Quantized(keys[:1, :, :1], scales[:1, :, :1])) is kernel  # fewer rows

@@ -397,7 +397,7 @@ def test_every_sdpa_call_of_the_decode_step_is_mha_shaped(variant):
     for q, k, v, kwargs in calls.made:
         assert not kwargs.get("enable_gqa") and q.size(1) == k.size(1) == v.size(1)
         assert kwargs["attn_mask"] is not None and kwargs["attn_mask"].size(-1) == k.size(2)
-        assert k.size(2) in {n + sink_key for n in cache.slot_lens}
+        assert k.size(2) in {group.cells + sink_key for group in cache.groups}
 
 
 # Every argument of the public generation API, checked once per call with an error naming it.

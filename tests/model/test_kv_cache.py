@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model import GPT
-from model.kv_cache import KVCache, quantize_rows
+from model.kv_cache import Converted, GroupCache, Int8, KVCache, Ring, Stored, quantize_rows
 from tests.helpers import ATTENTION, tiny_config
 
 # What each storage costs against the float32 cache, on the logits of a tiny random model.
@@ -103,11 +103,12 @@ def test_an_all_window_cache_rings_whenever_its_window_fits_max_len(window, sink
     refills at max_len)."""
     model = GPT(tiny_config(pos_emb="rope", attn_window=window, attn_sinks=sinks))
     cache = model.new_kv_cache(1, max_len)
-    assert cache.ring == rings and cache.slot_lens == [sinks + window if rings else max_len] * 2
+    cells = [group.cells for group in cache.groups]
+    assert cache.ring == rings and cells == [sinks + window if rings else max_len] * 2
     mixed = GPT(tiny_config(pos_emb="rope", n_layer=2, attn_window=window, attn_sinks=sinks,
                             window_pattern="SL")).new_kv_cache(1, max_len)
     assert not mixed.ring and mixed.max_len == max_len
-    assert mixed.rings == [max_len >= sinks + window, False]
+    assert [g.ring for g in mixed.groups] == [max_len >= sinks + window, False]
 
 
 @pytest.mark.parametrize("dtype,compute_dtype,message", [
@@ -129,23 +130,41 @@ def test_a_cache_over_other_tensors_writes_them_and_leaves_its_own():
     view = cache.over(others)
     assert [t is o for t, o in zip(view.tensors, others)] == [True] * len(others)
     k, v = torch.randn(2, 2, 1, 3), torch.randn(2, 2, 1, 3)
-    view.update(1, torch.tensor([0]), k, v)
+    view.groups[1].update(torch.tensor([0]), k, v)
     assert all(not t.any() for t in cache.buffers)                      # its own: untouched
-    assert view.stored["k"][1][:, :, 0].any() and view.stored["v_scale"][1][:, :, 0].any()
+    assert view.groups[1].k.tensors[0][:, :, 0].any() and view.groups[1].v.tensors[1][:, :, 0].any()
 
 
 def test_the_plain_cache_stores_at_the_positions_given_and_reads_its_own_memory():
-    """The core every other kind builds on: position p in cell p. A chunk into an empty cache reads
-    back what it was given; a later one reads the first `read` cells, a view of the cache's own
-    tensors (nothing copied a step); a batch smaller than the cache uses its first rows."""
-    cache = KVCache([None, None], batch_size=3, n_kv_head=2, max_len=8, key_dim=4)
+    """The core every other kind builds on: one group's GroupCache over two plain Stored tensors,
+    position p in cell p. A chunk into an empty cache reads back what it was given; a later one reads
+    the first `read` cells, a view of the cache's own tensors (nothing copied a step); a batch smaller
+    than the cache uses its first rows."""
+    group = GroupCache(Stored(3, 2, 8, 4, torch.float32, None), Stored(3, 2, 8, 4, torch.float32, None))
     k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
-    read_k, read_v = cache.update(1, torch.arange(5), k, v, read=5)
-    assert read_k is k and read_v is v and torch.equal(cache.stored["k"][1][:, :, :5], k)
-    cache.advance(5)
+    read_k, read_v = group.update(torch.arange(5), k, v, read=5)
+    assert read_k is k and read_v is v and torch.equal(group.k.tensors[0][:, :, :5], k)
     k1, v1 = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)                 # 2 of the 3 rows
-    read_k, read_v = cache.update(1, torch.tensor([5]), k1, v1, read=6)
-    assert read_k.shape == (2, 2, 6, 4) and read_k.data_ptr() == cache.stored["k"][1].data_ptr()
+    read_k, read_v = group.update(torch.tensor([5]), k1, v1, read=6)
+    assert read_k.shape == (2, 2, 6, 4) and read_k.data_ptr() == group.k.tensors[0].data_ptr()
     assert torch.equal(read_k, torch.cat([k[:2], k1], dim=2))
     assert torch.equal(read_v, torch.cat([v[:2], v1], dim=2))
-    assert not cache.stored["k"][0].any()                                    # the other layer untouched
+    assert not group.k.tensors[0][2, :, 5].any() and not group.k.tensors[0][:, :, 6:].any()
+
+
+def test_the_models_cache_holds_one_group_cache_per_group_each_its_own():
+    cache = KVCache([None, None], batch_size=3, n_kv_head=2, max_len=8, key_dim=4)
+    cache.groups[1].update(torch.arange(5), torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4), read=5)
+    assert cache.groups[1].k.tensors[0].any() and not cache.groups[0].k.tensors[0].any()
+
+
+@pytest.mark.parametrize("dtype,stored", [(torch.float32, Stored), (torch.bfloat16, Converted),
+                                          (torch.int8, Int8)])
+def test_where_positions_go_and_how_they_are_kept_are_chosen_apart_per_group(dtype, stored):
+    """A windowed group rings and a full one is plain, whatever the cache stores in; every group
+    keeps K and V in the one storage its dtype asks for (MLA: V inside K, so K alone)."""
+    cache = KVCache([4, None], 1, 2, 8, 4, dtype=dtype, compute_dtype=torch.float32)
+    assert [type(group) for group in cache.groups] == [Ring, GroupCache]
+    assert [type(s) for _, _, s in cache.stores()] == [stored] * 4
+    latent = KVCache([4, None], 1, 1, 8, 6, value_dim_in_keys=4, dtype=dtype, compute_dtype=torch.float32)
+    assert [name for _, name, _ in latent.stores()] == ["k", "k"]
