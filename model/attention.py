@@ -15,16 +15,29 @@ from model.config import GPTConfig
 from model.kv_cache import Quantized
 
 
-def causal_mask(T: int, S: int, device=None, window: int | None = None, sinks: int = 0) -> torch.Tensor:
-    """(T, S) bool, True where query i (the i-th of the *last* T positions) may see key j: j is at
-    or before i, and with `window` one of the last `window` positions ending at i or one of the
-    first `sinks` positions (StreamingLLM's attention sinks)."""
-    mask = torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=S - T)
-    if window is None:
+def visible(query_pos, key_pos, window=None, attn_sinks=0, pad=None) -> torch.Tensor:
+    """Which keys a query may attend to: the one rule every mask comes from (training, a prompt's
+    prefill, its chunks, the one-token step over any cache). True where the query at query_pos (T,)
+    may see the key at key_pos (S,) or (B, S): a written position (-1: a cell that holds none to
+    see) at or before it, within `window` of it or one of the row's first `attn_sinks` positions
+    (StreamingLLM's sinks), and not a row's left padding (pad (B,): its position 0 comes after
+    them) unless the query is one too, so that no row is empty (NaN). (T, S), or with pad (B, 1, T, S)."""
+    key_pos = key_pos[..., None, :]                                  # (1, S) or (B, 1, S)
+    distance = query_pos[:, None] - key_pos                          # (T, S) or (B, T, S)
+    mask = (distance >= 0) & (key_pos >= 0)
+    row_start = 0 if pad is None else pad[:, None, None]             # (B, 1, 1): each row's position 0
+    if window is not None:
+        mask = mask & ((distance < window) | (key_pos - row_start < attn_sinks))
+    if pad is None:
         return mask
-    near = torch.ones(T, S, dtype=torch.bool, device=device).triu(diagonal=S - T - window + 1)
-    near[:, :sinks] = True
-    return mask & near
+    is_pad_key = key_pos < row_start                                 # (B, 1, S)
+    is_pad_query = query_pos[:, None] < row_start                    # (B, T, 1)
+    return (mask & (~is_pad_key | is_pad_query)).unsqueeze(1)        # (B, 1, T, S)
+
+
+def causal_mask(T: int, S: int, device=None, window: int | None = None, attn_sinks: int = 0) -> torch.Tensor:
+    """`visible` for queries at the last T of positions 0 .. S-1 over all S: (T, S), bottom-right."""
+    return visible(torch.arange(S - T, S, device=device), torch.arange(S, device=device), window, attn_sinks)
 
 
 def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) -> torch.Tensor:
@@ -37,25 +50,25 @@ def fold_mask(mask: torch.Tensor, n_kv_head: int, n_rep: int, T: int, S: int) ->
     return mask.expand(-1, -1, T, S).reshape(-1, n_kv_head, n_rep * T, S)
 
 
-def attend(q, k, v, *, is_causal=True, window=None, sinks=0, sink_logit=None, attn_mask=None, dropout_p=0.0,
-           backend="sdpa", return_weights=False, scale=None):
+def attend(q, k, v, *, is_causal=True, window=None, attn_sinks=0, sink_logit=None, attn_mask=None,
+           dropout_p=0.0, backend="sdpa", return_weights=False, scale=None):
     """q (B, n_head, T, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, T, d_v).
 
     The queries are the last T of S positions, so the causal mask is bottom-right aligned (query i
     sees keys 0 .. S-T+i); with `window` (sliding-window attention), only the last `window` of those
-    and the first `sinks`. `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
+    and the first `attn_sinks`. `attn_mask` (bool, True = may attend) is and-ed with it; `scale` defaults
     to 1/sqrt(d_k). `sink_logit` (n_head,) is gpt-oss's learned sink: one more logit per head in
     every softmax, whose value is zero. `return_weights` (naive backend) also returns the weights
     (B, n_head, T, S). Checked here; the layers call attend_sdpa or attend_naive (no check a token).
     """
     check_attend_args(q, k, v, backend, return_weights)
     if backend == "sdpa":
-        return attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, scale)
-    return attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights,
-                        scale)
+        return attend_sdpa(q, k, v, is_causal, window, attn_sinks, sink_logit, attn_mask, dropout_p, scale)
+    return attend_naive(q, k, v, is_causal, window, attn_sinks, sink_logit, attn_mask, dropout_p,
+                        return_weights, scale)
 
 
-def attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, scale):
+def attend_sdpa(q, k, v, is_causal, window, attn_sinks, sink_logit, attn_mask, dropout_p, scale):
     """`attend` through PyTorch's fused kernels (scaled_dot_product_attention)."""
     B, n_head, T, d_k = q.shape
     n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -65,7 +78,7 @@ def attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropou
                                               scale=scale, enable_gqa=n_kv_head != n_head)
     mask = attn_mask
     if is_causal and (T > 1 or window is not None):  # a single query, the last, sees every key
-        causal = causal_mask(T, S, q.device, window, sinks)
+        causal = causal_mask(T, S, q.device, window, attn_sinks)
         mask = causal if mask is None else mask & causal
     if T == 1 and SplitKV.on and splits_kv(d_k, d_v, mask):
         return attend_split_kv(q, k, v, mask, sink_logit, scale)
@@ -85,7 +98,8 @@ def attend_sdpa(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropou
     return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
 
 
-def attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropout_p, return_weights, scale):
+def attend_naive(q, k, v, is_causal, window, attn_sinks, sink_logit, attn_mask, dropout_p, return_weights,
+                 scale):
     """`attend` written out: the scores, the masks, the softmax (with the sink's logit), the values."""
     B, n_head, T, d_k = q.shape
     n_kv_head, S, d_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -96,7 +110,7 @@ def attend_naive(q, k, v, is_causal, window, sinks, sink_logit, attn_mask, dropo
     scores = qg @ k.unsqueeze(2).transpose(-2, -1) * scale            # (B, n_kv_head, n_rep, T, S)
     scores = scores.view(B, n_head, T, S)                              # (B, n_head, T, S)
     if is_causal:
-        scores = scores.masked_fill(~causal_mask(T, S, q.device, window, sinks), float("-inf"))
+        scores = scores.masked_fill(~causal_mask(T, S, q.device, window, attn_sinks), float("-inf"))
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf"))
     if sink_logit is None:
@@ -367,9 +381,9 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.backend, self.dropout = config.attn_backend, config.dropout
         self.window = config.layer_window(layer_idx)  # None: this layer sees the whole context
-        self.n_sinks = config.attn_sinks if self.window is not None else 0
-        # gpt-oss's sinks: a learned logit per head that joins the softmax (attention may go nowhere).
-        self.sinks = nn.Parameter(torch.zeros(config.n_head)) if config.attn_sink_logit else None
+        self.attn_sinks = config.attn_sinks if self.window is not None else 0  # positions it always sees
+        # gpt-oss's sink: a learned logit per head that joins the softmax (attention may go nowhere).
+        self.sink_logit = nn.Parameter(torch.zeros(config.n_head)) if config.attn_sink_logit else None
         self.keep_weights = False  # set True to keep the last attention weights in .weights
         self.weights = None
 
@@ -380,14 +394,15 @@ class Attention(nn.Module):
         if isinstance(k, Quantized):  # an int8 cache's one-token step: read as stored
             if not self.keep_weights:
                 S = k.values.size(2)
-                mask = causal_mask(1, S, q.device, self.window, self.n_sinks) if causal else attn_mask
-                return attend_quantized(q, k, v, mask, self.sinks, scale)
+                mask = causal_mask(1, S, q.device, self.window, self.attn_sinks) if causal else attn_mask
+                return attend_quantized(q, k, v, mask, self.sink_logit, scale)
             k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))  # to the naive path
         window, dropout_p = self.window if causal else None, self.dropout if self.training else 0.0
         if self.backend == "sdpa" and not self.keep_weights:
-            return attend_sdpa(q, k, v, causal, window, self.n_sinks, self.sinks, attn_mask, dropout_p, scale)
-        out = attend_naive(q, k, v, causal, window, self.n_sinks, self.sinks, attn_mask, dropout_p,
-                           self.keep_weights, scale)
+            return attend_sdpa(q, k, v, causal, window, self.attn_sinks, self.sink_logit, attn_mask,
+                               dropout_p, scale)
+        out = attend_naive(q, k, v, causal, window, self.attn_sinks, self.sink_logit, attn_mask,
+                           dropout_p, self.keep_weights, scale)
         if self.keep_weights:
             out, self.weights = out
         return out

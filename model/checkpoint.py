@@ -181,9 +181,16 @@ def load(path, prefer: str = "ckpt.pt") -> Checkpoint:
         ckpt.model_config = GPTConfig(**ckpt.model_config)
     except ValueError as e:
         raise ValueError(f"{path} has an invalid model config: {e}") from e
-    # Checkpoints written before save() stripped it name every weight `_orig_mod.<name>`.
-    ckpt.model = {k.removeprefix("_orig_mod."): v for k, v in ckpt.model.items()}
+    ckpt.model = {weight_name(k): v for k, v in ckpt.model.items()}
     return ckpt
+
+
+def weight_name(key: str) -> str:
+    """A weight's name today, from the name an older checkpoint gives it: every name prefixed with
+    `_orig_mod.` (before save() stripped it), or gpt-oss's learned sink logit as `attn.sinks` (before
+    it was named apart from StreamingLLM's sink positions)."""
+    key = key.removeprefix("_orig_mod.")
+    return key.removesuffix(".attn.sinks") + ".attn.sink_logit" if key.endswith(".attn.sinks") else key
 
 
 def unwrap(model) -> GPT:

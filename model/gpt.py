@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles
+from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles, visible
 from model.config import GPTConfig, check_integer
 from model.kv_cache import KVCache, storage_dtype
 
@@ -250,30 +250,13 @@ class GPT(nn.Module):
         """{window: mask} for each window the layers have (None: the whole context): the mask of the
         keys a layer with that window reads (GroupCache.key_positions), or None where they are positions
         0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
-        fused kernels run)."""
-        masks = {}
+        fused kernels run). Each from the one rule, `visible`."""
+        masks, attn_sinks = {}, self.config.attn_sinks
         for window, group in self.window_groups.items():
             key_pos = None if kv_cache is None else kv_cache.groups[group].key_positions(
                 input_pos, cache_len, pad)                                       # (S,), (B, S) or None
             if key_pos is None and pad is not None:
                 S = input_pos.size(0) if kv_cache is None else cache_len
                 key_pos = torch.arange(S, device=input_pos.device)
-            masks[window] = None if key_pos is None else self.attention_mask(input_pos, key_pos, pad, window)
+            masks[window] = None if key_pos is None else visible(input_pos, key_pos, window, attn_sinks, pad)
         return masks
-
-    def attention_mask(self, query_pos, key_pos, pad=None, window=None) -> torch.Tensor:
-        """(T, S), or with pad (B,) (B, 1, T, S): True where the query at query_pos (T,) may see the
-        key at key_pos (S,) or (B, S): at or before it, written (position >= 0), within `window` or
-        one of the row's first attn_sinks positions, and not a pad unless the query is one too (so no
-        row is empty, NaN)."""
-        key_pos = key_pos[..., None, :]                                  # (1, S) or (B, 1, S)
-        distance = query_pos[:, None] - key_pos                          # (T, S) or (B, T, S)
-        mask = (distance >= 0) & (key_pos >= 0)
-        row_start = 0 if pad is None else pad[:, None, None]             # (B, 1, 1): each row's position 0
-        if window is not None:
-            mask = mask & ((distance < window) | (key_pos - row_start < self.config.attn_sinks))
-        if pad is None:
-            return mask
-        is_pad_key = key_pos < row_start                                 # (B, 1, S)
-        is_pad_query = query_pos[:, None] < row_start                    # (B, T, 1)
-        return (mask & (~is_pad_key | is_pad_query)).unsqueeze(1)        # (B, 1, T, S)

@@ -81,8 +81,8 @@ def tiny_model(seed: int = 0, **overrides) -> GPT:
 def cache_kind_model(overrides):
     model = tiny_model(**{"pos_emb": "rope"} | overrides)
     for block in model.blocks:  # learned sinks, not their zero init: a head may attend to nothing
-        if block.attn.sinks is not None:
-            block.attn.sinks.data.normal_(0, 2)
+        if block.attn.sink_logit is not None:
+            block.attn.sink_logit.data.normal_(0, 2)
     return model
 
 

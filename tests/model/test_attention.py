@@ -145,10 +145,10 @@ def test_sinks_stay_visible_beside_the_window(backend):
     T, S, window, sinks = 5, 12, 3, 2
     i, j = torch.arange(S - T, S)[:, None], torch.arange(S)
     allowed = (j <= i) & ((j > i - window) | (j < sinks))               # (T, S)
-    assert torch.equal(causal_mask(T, S, window=window, sinks=sinks), allowed)
+    assert torch.equal(causal_mask(T, S, window=window, attn_sinks=sinks), allowed)
     q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
     want = attend(q, k, v, is_causal=False, attn_mask=allowed, backend="naive")
-    torch.testing.assert_close(attend(q, k, v, window=window, sinks=sinks, backend=backend), want,
+    torch.testing.assert_close(attend(q, k, v, window=window, attn_sinks=sinks, backend=backend), want,
                                atol=1e-6, rtol=0)
 
 

@@ -136,6 +136,22 @@ def test_compiled_checkpoint_loads_uncompiled_and_back(tmp_path):
     assert torch.equal(again(idx), plain(idx))
 
 
+def test_a_checkpoint_naming_the_sink_logit_attn_sinks_loads(tmp_path):
+    """Written before gpt-oss's learned sink logit was named apart from the sink positions, a
+    checkpoint calls it `attn.sinks`: it loads under today's name, the same numbers."""
+    config = tiny_config(attn_sink_logit=True)
+    model = GPT(config)
+    with torch.no_grad():
+        model.blocks[1].attn.sink_logit.normal_()
+    old = {k.replace(".attn.sink_logit", ".attn.sinks"): v for k, v in model.state_dict().items()}
+    assert "blocks.1.attn.sinks" in old
+    torch.save({"model": old, "model_config": dataclasses.asdict(config), "data_meta": {}}, tmp_path / "c.pt")
+    loaded = GPT(config)
+    checkpoint.load_weights(loaded, checkpoint.load(tmp_path / "c.pt").model)
+    idx = torch.randint(0, 37, (1, 8))
+    assert torch.equal(loaded(idx), model(idx))
+
+
 def test_mismatched_weights_name_the_tensor(tmp_path):
     model = tiny_model()
     write(tmp_path / "c.pt", model)

@@ -203,7 +203,7 @@ def hf_gpt_oss_attention(attn, config, window):
     q_bias, k_bias, v_bias = attn.qkv.bias.detach().split([config.n_embd, kv_dim, kv_dim])
     hf.load_state_dict({"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v, "q_proj.bias": q_bias,
                         "k_proj.bias": k_bias, "v_proj.bias": v_bias, "o_proj.weight": attn.proj.weight,
-                        "o_proj.bias": attn.proj.bias, "sinks": attn.sinks})
+                        "o_proj.bias": attn.proj.bias, "sinks": attn.sink_logit})
     return hf, hf_config
 
 
@@ -219,9 +219,10 @@ def test_learned_sinks_match_transformers_gpt_oss_attention(layer_idx, window, b
                          attn_sink_logit=True, attn_backend=backend)
     torch.manual_seed(0)
     attn = CausalSelfAttention(config, layer_idx).eval()
-    assert config.layer_window(layer_idx) == window and torch.equal(attn.sinks, torch.zeros(config.n_head))
+    assert config.layer_window(layer_idx) == window
+    assert torch.equal(attn.sink_logit, torch.zeros(config.n_head))
     with torch.no_grad():
-        attn.sinks.normal_(0.0, 2.0)  # from nearly nothing to most of the weight, per head
+        attn.sink_logit.normal_(0.0, 2.0)  # from nearly nothing to most of the weight, per head
         attn.qkv.bias.normal_(0.0, 0.1)  # GPT init zeroes the biases, which would then go unchecked
     hf, hf_config = hf_gpt_oss_attention(attn, config, window)
     x, positions = torch.randn(2, 12, config.n_embd), torch.arange(12)
