@@ -141,61 +141,78 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
            vocab_size=None, kv_dtype=None, prefill_chunk=None, share_prefix=True):
     """Yield the next token of every row, (B,), as `sampling` draws them: max_new_tokens times.
 
-    Without the cache, each step runs the context from scratch (`prefill`): the reference. With
-    it, the prompt is prefilled once and each step feeds one token to a static KVCache, stored in
-    `kv_dtype` (float32, bfloat16 or int8; default: the model's dtype). When the cache is full,
-    `make_room` refills it, so learned and RoPE positions alike generate past block_size. A model
-    whose every layer has a window, with RoPE, needs neither: its reference is the whole context (of
-    which the last `receptive_field` tokens matter, or with sinks the first ones too), its cache
-    rings. The prompt goes in `prefill_chunk` tokens at a time (None: at once); rows sharing a
-    prompt prefix compute it once (`share_prefix`). `decode_step` (a `CompiledDecodeStep`)
-    replaces the eager one-token step, and its static cache the one allocated per call. `vocab_size`
-    limits sampling to the ids below it (a tokenizer's). The arguments that depend on the model are
-    checked here, once (the Sampling was when it was made)."""
+    The prompt goes into the KV cache once (`prefill`); then each token drawn is fed back, one step
+    at a time, and a full cache is refilled with the recent tokens (`make_room`). Without the cache
+    (kv_cache=False) each step runs the context from scratch: the reference the cached stream equals.
+    Options: `kv_dtype`, what the cache stores (float32, bfloat16, int8; default the model's);
+    `prefill_chunk`, prompt tokens per pass (None: at once); `share_prefix`, a prompt prefix the rows
+    share computed once; `decode_step`, a `CompiledDecodeStep` whose step and static cache replace
+    the eager ones; `vocab_size`, draw only the ids below it (a tokenizer's). Checked here, once."""
     decode_step = decode_step if kv_cache else None  # no cache, no decode step
     kv_dtype = check_generation(model, idx, sampling, generator=generator, vocab_size=vocab_size,
                                 decode_step=decode_step, kv_dtype=kv_dtype, pad=pad,
                                 prefill_chunk=prefill_chunk)
-    c, max_new_tokens = model.config, sampling.max_new_tokens
-    B, T = idx.shape
-    # tokens[:, :length]: the prompt and the tokens so far, written in place; when it is full, only
-    # the last `history` stay (all any step reads again), moved to the front, and pad moves with them.
-    history = c.context_size or T + max_new_tokens
-    tokens = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
-                         device=idx.device)                              # (B, capacity)
-    tokens[:, :T] = idx
-    length = T
+    (B, T), max_new_tokens = idx.shape, sampling.max_new_tokens
+    context = TokenBuffer(idx, pad, model.config.context_size or T + max_new_tokens, max_new_tokens)
     cache = None if decode_step is None else decode_step.cache  # static: its first B rows serve this call
     if kv_cache and cache is None:
-        cache = model.new_kv_cache(B, min(c.block_size, T + max_new_tokens), dtype=kv_dtype)
-    step = decode_step or (lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1])
+        cache = model.new_kv_cache(B, min(model.config.block_size, T + max_new_tokens), dtype=kv_dtype)
+    step = decode_step or eager_step(model)
     # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
     step_draws = decode_step.sampler(sampling, vocab_size, generator, B) if decode_step is not None else None
 
-    # cache_pad (B,): the pad slots among the cache's. Inference mode (~15% faster a step on a CPU),
+    # cache_pad (B,): the pad cells among the cache's. Inference mode (~15% faster a step on a CPU),
     # no cuDNN attention; the tokens, sampled outside it, are plain tensors one may train on.
     no_cudnn = CudnnAttentionOff()
     with torch.inference_mode(), no_cudnn:
-        logits, cache_pad = prefill(model, tokens[:, :length], cache, pad, prefill_chunk, share_prefix)
+        logits, cache_pad = prefill(model, context.tokens, cache, pad, prefill_chunk, share_prefix)
     token = sample_next(logits[:, :vocab_size], sampling, generator) if max_new_tokens else None  # (B,)
     for i in range(max_new_tokens):
         yield token
         if i == max_new_tokens - 1:
             break
-        if length == tokens.size(1):
-            tokens[:, :history] = tokens[:, length - history:length].clone()
-            pad = None if pad is None else pad - (length - history)     # (B,) negative: cut off
-            length = history
-        tokens[:, length] = token
-        length += 1
+        context.append(token)
         with torch.inference_mode(), no_cudnn:
             if cache is None:
-                logits, _ = prefill(model, tokens[:, :length], None, pad)
+                logits, _ = prefill(model, context.tokens, None, context.pad)
             else:
-                if cache.length == cache.max_len and not cache.ring:
-                    cache_pad = make_room(model, tokens[:, :length - 1], cache, cache_pad, prefill_chunk)
+                if cache.full:
+                    cache_pad = make_room(model, context.tokens[:, :-1], cache, cache_pad, prefill_chunk)
                 logits = (step_draws or step)(token[:, None], cache, cache_pad)  # (B, vocab), or drawn: (B,)
         token = logits.clone() if step_draws else sample_next(logits[:, :vocab_size], sampling, generator)
+
+
+def eager_step(model):
+    """The one-token step as the model's own forward pass: (token (B, 1), cache, pad) -> (B, vocab)."""
+    return lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1]
+
+
+class TokenBuffer:
+    """The prompt and the tokens so far, (B, length), in one tensor written in place (`tokens`):
+    what the uncached reference and a refill run again. When it is full, only the last `history`
+    stay (all any step reads again), moved to the front; `pad` moves with them, below 0 once a
+    row's padding is cut off."""
+
+    def __init__(self, idx, pad, history: int, max_new_tokens: int):
+        B, T = idx.shape
+        self.history, self.pad, self.length = history, pad, T
+        self.buffer = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
+                                  device=idx.device)                     # (B, capacity)
+        self.buffer[:, :T] = idx
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.buffer[:, :self.length]                              # (B, length)
+
+    def append(self, token) -> None:
+        """token (B,) after the last."""
+        if self.length == self.buffer.size(1):
+            cut = self.length - self.history
+            self.buffer[:, :self.history] = self.buffer[:, cut:self.length].clone()
+            self.pad = None if self.pad is None else self.pad - cut     # (B,)
+            self.length = self.history
+        self.buffer[:, self.length] = token
+        self.length += 1
 
 
 def new_tokens_allowed(config, prompt_len: int) -> float:

@@ -298,6 +298,11 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    @property
+    def full(self) -> bool:
+        """No cell left for the next position (a ring never is): time to refill."""
+        return not self.ring and self.length == self.max_len
+
     def stores(self):
         """(group index, "k" or "v", its Stored) for every tensor pair the cache keeps."""
         return [(g, name, stored) for g, group in enumerate(self.groups)
