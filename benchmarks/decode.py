@@ -287,10 +287,11 @@ KV_SHAPES = {"the main job's 4/4/128": dict(n_layer=4, n_head=4, n_embd=128, pos
 
 def interleaved_medians(scripts: dict, rounds: int) -> dict:
     """{key: median} of the number each script of `scripts` ({key: python source}) prints, each run
-    in a fresh process, `rounds` times, the scripts one after another within a round."""
+    in a fresh process, `rounds` times, the scripts one after another within a round, in the
+    opposite order every other round (the first of a round may run on a machine in another state)."""
     runs = {key: [] for key in scripts}
-    for _ in range(rounds):
-        for key, script in scripts.items():
+    for r in range(rounds):
+        for key, script in list(scripts.items())[::1 if r % 2 == 0 else -1]:
             runs[key].append(float(subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True,
                                                   capture_output=True, text=True).stdout))
     return {key: sorted(v)[rounds // 2] for key, v in runs.items()}
@@ -319,8 +320,7 @@ FLAG_STEPS = """import statistics, sys, torch
 sys.path.insert(0, {code!r})
 from model import GPT, GPTConfig
 from model.device import Precision
-from model.decode_step import CompiledDecodeStep
-from model.generation import for_decoding, timed_stream
+from model.generation import CompiledDecodeStep, for_decoding, timed_stream  # (every checkout has them so)
 torch.manual_seed(0)
 model = for_decoding(GPT(GPTConfig(vocab_size=65, **{shape!r})), "cpu", Precision({dtype!r}, {quantize!r}))
 step = CompiledDecodeStep(model, {batch}) if {compiled} else None
@@ -386,8 +386,11 @@ VARIANT_STEPS = """import sys, time, torch
 sys.path.insert(0, {code!r})
 from torch.nn.attention import sdpa_kernel
 from model import GPT, GPTConfig
-from model.decode_step import decode_backends
 from model.generation import decode_tokens_per_s
+try:  # where a checkout keeps it: model/generation.py before it was split by concern
+    from model.generation import decode_backends
+except ImportError:
+    from model.decode_step import decode_backends
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, pos_emb="rope",
                       **{fields!r})).eval()

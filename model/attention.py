@@ -393,8 +393,9 @@ class Attention(nn.Module):
         causal = attn_mask is None
         if isinstance(k, Quantized):  # an int8 cache's one-token step: read as stored
             if not self.keep_weights:
-                S = k.values.size(2)
-                mask = causal_mask(1, S, q.device, self.window, self.attn_sinks) if causal else attn_mask
+                mask = attn_mask  # causal, the one query (the last) sees every key, or its window's
+                if causal and self.window is not None:
+                    mask = causal_mask(1, k.values.size(2), q.device, self.window, self.attn_sinks)
                 return attend_quantized(q, k, v, mask, self.sink_logit, scale)
             k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))  # to the naive path
         window, dropout_p = self.window if causal else None, self.dropout if self.training else 0.0
