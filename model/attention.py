@@ -267,7 +267,7 @@ def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 
 @functools.cache
 def compiled_attend_one_query():
-    """Its own compiled kernel for an eager model's int8 steps (dynamic: the slots read grow each
+    """Its own compiled kernel for an eager model's int8 steps (dynamic: the cells read grow each
     step); inside the compiled decode step it is traced into the step's graph instead. Past dynamo's
     limit of graphs per function (models of many shapes in one process) it runs eagerly: slower, the
     same numbers. Made on first use: torch.compile imports dynamo and inductor, ~2 s that every
@@ -275,7 +275,7 @@ def compiled_attend_one_query():
     return torch.compile(attend_one_query, dynamic=True)
 
 
-COMPILE_FROM = 2**18  # int8 numbers a cache's slot holds from which the compiled kernel pays for compiling
+COMPILE_FROM = 2**18  # int8 numbers a group's cache holds from which the compiled kernel pays for compiling
 
 
 def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
@@ -287,14 +287,14 @@ def one_query_kernel(q, k: Quantized):
     """attend_one_query as an int8 step runs it: traced into the caller's graph, or through its own
     compiled kernel. As written while a CUDA graph captures it (dynamo's guards and code are no part
     of a graph), and over a cache too small for compiling (seconds) to pay off. Small by the whole
-    slot the keys are read from (all its rows and positions: its storage), not by the part read this
+    group cache the keys are read from (all its rows and positions: its storage), not by the part read this
     step, which grows every step: a cache keeps one kernel from its first step to its last, so a
     stream never stops mid-sample to compile (the first step over a large cache compiles, or loads
     the compiled code)."""
     if torch.compiler.is_compiling():
         return attend_one_query
-    slot_numbers = k.values.untyped_storage().nbytes() // k.values.element_size()
-    as_written = slot_numbers < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    group_numbers = k.values.untyped_storage().nbytes() // k.values.element_size()
+    as_written = group_numbers < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
     return attend_one_query if as_written else compiled_attend_one_query()
 
 

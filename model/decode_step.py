@@ -25,7 +25,7 @@ def decode_backends(device: torch.device) -> list[SDPBackend]:
     builds an execution plan per exact shape (~50 ms each on an H200), and an eager decode's key
     length grows by one a token (`stream` runs under `CudnnAttentionOff`). Flash takes an unmasked
     call and, on a CPU, a masked one; on CUDA memory-efficient attention takes a masked call (the
-    static step's unwritten slots, padding, a ring). Compiled on a CPU, SDPA's math kernel becomes a
+    static step's unwritten cells, padding, a ring). Compiled on a CPU, SDPA's math kernel becomes a
     loop over the keys that recomputes the query's RoPE per key (3.4x slower; benchmarks/RESULTS.md)."""
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -47,7 +47,7 @@ STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")
 
 
 class CompiledDecodeStep:
-    """The one-token step built once for a model, with one static KV cache (block_size slots per
+    """The one-token step built once for a model, with one static KV cache (block_size cells per
     layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
     `stream` given this step reuses. The cache, token, pad and position are tensors allocated here
     and written in place (a smaller batch uses the first rows), so every prompt length, number of
@@ -60,10 +60,10 @@ class CompiledDecodeStep:
         aot_eager   torch.compile traces the same graph and runs it eagerly: a quick check of the
                     traced step (tests, the GPU plan's smoke run)
 
-    On CUDA nothing the step reads changes shape: it reads every slot, unwritten ones masked, and
+    On CUDA nothing the step reads changes shape: it reads every cell, unwritten ones masked, and
     draws the next token inside the graph too (`sampler`), so the host launches one graph a token.
     With `split_kv` (by default when inductor compiles) its one-query attention is split across the
-    GPU's multiprocessors (`attend_split_kv`). On a CPU it reads the slots written so far, in a
+    GPU's multiprocessors (`attend_split_kv`). On a CPU it reads the cells written so far, in a
     graph compiled once for any number of them (one dynamic dimension), called with no guard of
     torch.compile's checked (the step is its model's and its cache's). An int8 model's CPU step is
     compiled ahead of time instead (`ahead_of_time`): weights frozen in, kept on disk as an
@@ -84,19 +84,19 @@ class CompiledDecodeStep:
                                         storage_dtype(kv_dtype, "kv_dtype"))
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
-        self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the slot written
+        self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the cell written
         self.backend = backend
         # SDPA's kernels, set around every call that compiles or captures the step (set inside the
         # traced function, they keep AOTAutograd's cache from storing it: ~1 s of each CPU start).
         self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
         self.inputs = (self.token, self.input_pos, self.cache, self.pad)
-        # On a CPU, a cache that is not one ring is read up to its last written slot: slots[:n],
-        # whose size n is the step's one dynamic dimension. (A ring reads every slot.)
+        # On a CPU, a cache that is not one ring is read up to its last written cell: cells[:n],
+        # whose size n is the step's one dynamic dimension. (A ring reads every cell.)
         reads_written = device.type != "cuda" and not self.cache.ring
-        self.slots = torch.empty(self.cache.max_len, device=device) if reads_written else None
+        self.cells = torch.empty(self.cache.max_len, device=device) if reads_written else None
 
-        def logits_at(token, input_pos, cache, pad, slots=None):
-            return model.logits_at(token, input_pos, cache, pad, None if slots is None else slots.size(0))
+        def logits_at(token, input_pos, cache, pad, cells=None):
+            return model.logits_at(token, input_pos, cache, pad, None if cells is None else cells.size(0))
 
         with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
@@ -109,7 +109,7 @@ class CompiledDecodeStep:
             else:
                 self.run = (self.ahead_of_time(logits_at) if self.frozen else
                             self.compiled_reading_written(self.compiled(logits_at, backend), logits_at))
-                # Compiled now, not at a sample's first token: with 2 slots read (sizes 0 and 1 would
+                # Compiled now, not at a sample's first token: with 2 cells read (sizes 0 and 1 would
                 # be compiled as constants).
                 self.cache.advance(min(1, self.cache.max_len - 1))
                 self(self.token, self.cache)
@@ -117,7 +117,7 @@ class CompiledDecodeStep:
 
     def compiled(self, logits_at, backend: str):
         """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
-        as a CUDA graph after), or on a CPU one whose `slots` size is dynamic."""
+        as a CUDA graph after), or on a CPU one whose `cells` size is dynamic."""
         on_cpu = self.token.device.type == "cpu"
         if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
             for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
@@ -131,27 +131,27 @@ class CompiledDecodeStep:
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         if backend == "inductor" and on_cpu:
             options["cpp_wrapper"] = True
-        dynamic = None if self.slots is not None else False  # None: a size that changes (slots') is dynamic
+        dynamic = None if self.cells is not None else False  # None: a size that changes (cells') is dynamic
         return torch.compile(logits_at, backend=backend, dynamic=dynamic, fullgraph=True, options=options)
 
     def compiled_reading_written(self, step, logits_at):
-        """run(reads) on a CPU: the compiled step over the first `reads` slots (all of them for a ring)."""
+        """run(reads) on a CPU: the compiled step over the first `reads` cells (all of them for a ring)."""
         compiled = False
 
         def run(reads: int):
             nonlocal compiled
-            if self.slots is None:
+            if self.cells is None:
                 return step(*self.inputs)
-            slots = self.slots[:reads]                                     # (reads,)
-            if reads < 2:  # 1 slot (a refill that kept no token): a size dynamo makes a constant
+            cells = self.cells[:reads]                                     # (reads,)
+            if reads < 2:  # 1 cell (a refill that kept no token): a size dynamo makes a constant
                 with self.kernels():
-                    return logits_at(*self.inputs, slots)  # so it runs eagerly
+                    return logits_at(*self.inputs, cells)  # so it runs eagerly
             # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
             # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
             if not compiled:
-                torch._dynamo.mark_dynamic(slots, 0)
+                torch._dynamo.mark_dynamic(cells, 0)
                 compiled = True
-            return step(*self.inputs, slots)
+            return step(*self.inputs, cells)
 
         return run
 
@@ -160,26 +160,26 @@ class CompiledDecodeStep:
         AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
         package (`step_package`) that a later process loads in milliseconds, and called through
         the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
-        slots outside those it was exported for (below 2, or where export specialised) runs eagerly."""
+        cells outside those it was exported for (below 2, or where export specialised) runs eagerly."""
         path = step_package(self.model, self.cache)
-        reads_written = self.slots is not None
-        # a ring reads every slot: its `slots` input is a placeholder of fixed size
-        slots = self.slots[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
+        reads_written = self.cells is not None
+        # a ring reads every cell: its `cells` input is a placeholder of fixed size
+        cells = self.cells[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
         tensors = self.cache.tensors
         if not path.exists():
-            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, slots, tensors),
+            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, cells, tensors),
                         reads_written, path, self.kernels)
         # The package's own runner, not torch._inductor.aoti_load_package: that imports inductor (~3 s)
         runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         low, high = (int(n) for n in runner.get_metadata()["reads"].split())
-        inputs = [self.token, self.input_pos, self.pad, slots, *tensors]
+        inputs = [self.token, self.input_pos, self.pad, cells, *tensors]
 
         def run(reads: int):
             if reads_written and not low <= reads <= high:
                 with self.kernels():
-                    return logits_at(*self.inputs, self.slots[:reads])
+                    return logits_at(*self.inputs, self.cells[:reads])
             if reads_written:
-                inputs[3] = self.slots[:reads]                             # (reads,)
+                inputs[3] = self.cells[:reads]                             # (reads,)
             return runner.run(inputs)[0]
 
         return run
@@ -249,14 +249,14 @@ class CompiledDecodeStep:
         return step_and_draw
 
     def write_inputs(self, token, cache, pad=None):
-        """token (B, 1), B <= batch_size, pad (B,) or None and the slot cache.length to the static inputs."""
+        """token (B, 1), B <= batch_size, pad (B,) or None and the cell cache.length to the static inputs."""
         B = token.size(0)
         self.token[:B] = token
         self.pad[:B] = 0 if pad is None else pad
         self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
 
     def __call__(self, token, cache, pad=None):
-        """The logits (B, vocab) after token (B, 1), B <= batch_size, at slot cache.length: read them
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at cell cache.length: read them
         before the next call, which writes over them."""
         self.write_inputs(token, cache, pad)
         logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
@@ -277,15 +277,15 @@ class ExportedStep(torch.nn.Module):
         super().__init__()
         self.model, self.cache, self.reads_written = model, cache, reads_written
 
-    def forward(self, token, input_pos, pad, slots, tensors):
-        reads = slots.size(0) if self.reads_written else None
+    def forward(self, token, input_pos, pad, cells, tensors):
+        reads = cells.size(0) if self.reads_written else None
         return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
 
 
 def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
-    """Export the step over `cache` (example: token, input_pos, pad, slots, the cache's tensors) with
-    the size of `slots` dynamic from 2 to the cache's length where it reads the written slots (a cache
-    of 1 or 2 slots: the example's size alone), and
+    """Export the step over `cache` (example: token, input_pos, pad, cells, the cache's tensors) with
+    the size of `cells` dynamic from 2 to the cache's length where it reads the written cells (a cache
+    of 1 or 2 cells: the example's size alone), and
     compile it with AOTInductor into the package `path`, which records in its metadata the sizes
     export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
     of it)."""
@@ -293,12 +293,12 @@ def export_step(model, cache, example, reads_written: bool, path, kernels) -> No
     from torch._inductor.exc import InductorError
 
     dynamic = reads_written and cache.max_len > 2
-    slots_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
+    cells_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
     with kernels(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
-                                      dynamic_shapes=(None, None, None, slots_dims, [None] * len(example[4])))
-    slots = next(node for node in program.graph.find_nodes(op="placeholder") if node.name == "slots")
-    reads = slots.meta["val"].size(0)                                    # a SymInt where it stayed dynamic
+                                      dynamic_shapes=(None, None, None, cells_dims, [None] * len(example[4])))
+    cells = next(node for node in program.graph.find_nodes(op="placeholder") if node.name == "cells")
+    reads = cells.meta["val"].size(0)                                    # a SymInt where it stayed dynamic
     if isinstance(reads, torch.SymInt):
         bounds = program.range_constraints[reads.node.expr]
         low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))

@@ -188,31 +188,31 @@ def eager_step(model):
 
 
 class TokenBuffer:
-    """The prompt and the tokens so far, (B, length), in one tensor written in place (`tokens`):
+    """The prompt and the tokens so far, (B, filled), in one tensor written in place (`tokens`):
     what the uncached reference and a refill run again. When it is full, only the last `history`
     stay (all any step reads again), moved to the front; `pad` moves with them, below 0 once a
     row's padding is cut off."""
 
     def __init__(self, idx, pad, history: int, max_new_tokens: int):
         B, T = idx.shape
-        self.history, self.pad, self.length = history, pad, T
+        self.history, self.pad, self.filled = history, pad, T
         self.buffer = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
                                   device=idx.device)                     # (B, capacity)
         self.buffer[:, :T] = idx
 
     @property
     def tokens(self) -> torch.Tensor:
-        return self.buffer[:, :self.length]                              # (B, length)
+        return self.buffer[:, :self.filled]                              # (B, filled)
 
     def append(self, token) -> None:
         """token (B,) after the last."""
-        if self.length == self.buffer.size(1):
-            cut = self.length - self.history
-            self.buffer[:, :self.history] = self.buffer[:, cut:self.length].clone()
+        if self.filled == self.buffer.size(1):
+            cut = self.filled - self.history
+            self.buffer[:, :self.history] = self.buffer[:, cut:self.filled].clone()
             self.pad = None if self.pad is None else self.pad - cut     # (B,)
-            self.length = self.history
-        self.buffer[:, self.length] = token
-        self.length += 1
+            self.filled = self.history
+        self.buffer[:, self.filled] = token
+        self.filled += 1
 
 
 def new_tokens_allowed(config, prompt_len: int) -> float:

@@ -223,7 +223,7 @@ class GPT(nn.Module):
     def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
         decode step built on it compiles to one fixed-shape graph. Attention reads what the cache
-        holds of positions 0 .. cache_len - 1, or with None every slot, masked by the position it
+        holds of positions 0 .. cache_len - 1, or with None every cell, masked by the position it
         holds (the compiled step's fixed shape)."""
         masks = self.attention_masks(input_pos, kv_cache, pad, cache_len)  # per layer window
         positions = input_pos if pad is None else (input_pos - pad[:, None]).clamp(min=0)  # (T,) or (B, T)

@@ -16,7 +16,7 @@ def prefill(model, tokens, cache=None, pad=None, chunk=None, share_prefix=True):
     if not shared:
         return feed(model, context, cache, context_pad, chunk), context_pad
     start = 0 if context_pad is None else int(context_pad[0])
-    prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain slots, as cache stores
+    prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain groups, as cache stores
     logits = feed(model, context[:1, start:start + shared], prefix, None, chunk)  # (1, vocab)
     cache.fill_from(prefix, context.size(0), context_pad)
     if shared == context.size(1):  # every row is this prompt
@@ -57,7 +57,7 @@ def feed(model, tokens, cache, pad=None, chunk=None):
     """Write tokens (B, T) into the cache after what it holds, `chunk` at a time (None: all at once,
     up to block_size); the logits (B, vocab) after the last. Past block_size (a ring's prompt, of any
     length) block_size at a time, the same numbers as at once: the attention of a pass is T x (the
-    cache's slots + T), its mask and a sink logit's bias per head too, bounded so, not T x T."""
+    cache's cells + T), its mask and a sink logit's bias per head too, bounded so, not T x T."""
     step = min(tokens.size(1), model.config.block_size) if chunk is None else chunk
     for i in range(0, tokens.size(1), step):
         logits = model(tokens[:, i:i + step], kv_cache=cache, pad=pad, last_only=True)
@@ -65,8 +65,8 @@ def feed(model, tokens, cache, pad=None, chunk=None):
 
 
 def make_room(model, tokens, cache, pad, chunk=None):
-    """Free slots in a full cache, as each row would alone; returns the new pad (B,) or None. A row
-    whose context fills the cache (no pad slot left) keeps its last block_size // 2 - 1 tokens, at
+    """Free cells in a full cache, as each row would alone; returns the new pad (B,) or None. A row
+    whose context fills the cache (no pad cell left) keeps its last block_size // 2 - 1 tokens, at
     positions from 0 (with the next token, the block_size // 2 it restarts from); every other row
     keeps its whole context where it is. Both are written again from `tokens` (B, length), which
     ends with the cached context, left-padded, `chunk` at a time: every cache kind refills one way."""

@@ -10,7 +10,7 @@ MAX_WEIGHTS = 2**23  # attention weights one recording may hold: ~8 bytes each i
 
 def weights_to_record(config, prompt_len: int, max_new_tokens: int) -> int:
     """At most how many attention weights recording `max_new_tokens` tokens after a prompt of
-    prompt_len keeps: per token, every head of every layer over at most block_size slots (or, for a
+    prompt_len keeps: per token, every head of every layer over at most block_size cells (or, for a
     model without a last position, the whole context)."""
     keys = prompt_len + max_new_tokens
     if config.max_positions is not None:
@@ -25,16 +25,16 @@ class DecodeRecorder:
             for token in recorder.watch(stream(model, idx, sampling)): ...
         recorder.record()  # the model, its cache and one entry per new token, ready for JSON
 
-    After every forward pass of the stream it keeps which position each cache slot holds and which
-    slots were just written, where each head of each layer attended (the decode's own weights, laid
-    over the slots) and, for an int8 cache, how far the K and V it stored are from those it was
+    After every forward pass of the stream it keeps which position each cache cell holds and which
+    cells were just written, where each head of each layer attended (the decode's own weights, laid
+    over the cells) and, for an int8 cache, how far the K and V it stored are from those it was
     given. Hooks on the model record the batch's first row, while entered; a decode nobody watches
     runs without them. Entered, every attention layer keeps its weights, which runs it on the naive
     backend (SDPA's function, to float rounding; an int8 cache's step reads the numbers its int8
     values and scales stand for). The stream must run the model's forward (no compiled decode_step),
     and only into its own cache: a batch whose rows share a prompt prefix records with
-    share_prefix=False. The first row's left padding is no token: its slots are empty (-1), as a
-    row's slots before it is written."""
+    share_prefix=False. The first row's left padding is no token: its cells are empty (-1), as a
+    row's cells before it is written."""
 
     def __init__(self, model, prompt):
         self.model, self.tokens, self.prompt_len = model, [int(t) for t in prompt], len(prompt)
@@ -66,7 +66,7 @@ class DecodeRecorder:
             stored.keep_error, stored.error = True, None  # set by each write of this forward
 
     def after_forward(self, model, args, kwargs, output):
-        """What this forward pass left: each group's slots, the last query's weights per layer."""
+        """What this forward pass left: each group's cells, the last query's weights per layer."""
         T, cache, pad = args[0].size(1), kwargs.get("kv_cache"), kwargs.get("pad")
         if cache is not None and self.stream_cache not in (None, cache):
             raise ValueError("DecodeRecorder records the forward passes into one cache, but its rows share a "
@@ -86,7 +86,7 @@ class DecodeRecorder:
             keys = None if cache is None else cache.groups[g].key_positions(input_pos, end, row_pad)
             w = block.attn.weights[0, :, -1].float().cpu()                  # (n_head, S): the last query's
             keys = torch.arange(w.size(-1)) if keys is None else keys.reshape(-1).cpu()  # (S,) columns
-            weights.append(over_slots(w, keys, groups[g]))
+            weights.append(over_cells(w, keys, groups[g]))
         if cache is not None:
             self.cache = self.cache or describe_cache(model.config, cache)
             if start == 0 and self.steps:
@@ -104,7 +104,7 @@ class DecodeRecorder:
 
     @staticmethod
     def held_columns(cache, g, input_pos, end, row_pad) -> torch.Tensor:
-        """(slots,): the column each slot of group g holds once `end` are written, -1 for none and
+        """(cells,): the column each cell of group g holds once `end` are written, -1 for none and
         for the row's padding (its columns before row_pad: no token of its own, the mask hides them);
         for no cache, the context's columns 0 .. end-1."""
         if cache is None:
@@ -127,7 +127,7 @@ class DecodeRecorder:
             seq = torch.where(held >= 0, held + last["shift"], -1)
             written = [] if written_from is None else (held >= written_from).nonzero().flatten().tolist()
             groups.append({"seq": seq.tolist(), "written": written})
-        weights = []  # [layer][head][slot], over the slots its group uses
+        weights = []  # [layer][head][cell], over the cells its group uses
         for block, w in zip(self.model.blocks, last["weights"]):
             used = len(groups[0 if self.cache is None else block.attn.kv_group]["seq"])
             weights.append([[round(x, WEIGHT_DECIMALS) for x in head[:used]] for head in w.double().tolist()])
@@ -144,16 +144,16 @@ class DecodeRecorder:
                 "tokens": self.tokens, "prompt_len": self.prompt_len, "steps": self.steps}
 
 
-def over_slots(w: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-    """w (n_head, S), the weights over keys at columns `keys` (S,; -1 unseen), laid over the slots
-    holding columns `held` (slots,; -1 none): (n_head, slots), 0 where a slot's column was not read."""
+def over_cells(w: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """w (n_head, S), the weights over keys at columns `keys` (S,; -1 unseen), laid over the cells
+    holding columns `held` (cells,; -1 none): (n_head, cells), 0 where a cell's column was not read."""
     size = int(max(keys.max(), held.max(), 0)) + 1
     key_of_column = torch.full((size,), -1, dtype=torch.long)                  # (columns,)
     seen = keys >= 0
     key_of_column[keys[seen]] = torch.nonzero(seen).flatten()
-    key = key_of_column[held.clamp(min=0)]                                     # (slots,)
+    key = key_of_column[held.clamp(min=0)]                                     # (cells,)
     read = (held >= 0) & (key >= 0)
-    return torch.where(read, w[:, key.clamp(min=0)], 0.0)                      # (n_head, slots)
+    return torch.where(read, w[:, key.clamp(min=0)], 0.0)                      # (n_head, cells)
 
 
 def describe_model(c, params: int) -> dict:

@@ -21,25 +21,25 @@ from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, split_k
 
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
-def test_a_step_reading_the_written_slots_equals_one_reading_every_slot_masked(attention, dtype):
+def test_a_step_reading_the_written_cells_equals_one_reading_every_cell_masked(attention, dtype):
     """Eager steps attend over the positions written so far (no mask); the compiled step, whose
-    shapes never change, over every slot with a mask. One computation."""
+    shapes never change, over every cell with a mask. One computation."""
     model = tiny_model(pos_emb="rope", **ATTENTION[attention])
     cache = model.new_kv_cache(2, dtype=dtype)
     with torch.no_grad():
         model(torch.randint(0, 37, (2, 5)), kv_cache=cache)
         token, input_pos = torch.randint(0, 37, (2, 1)), torch.tensor([5])
         written = model.logits_at(token, input_pos, cache, cache_len=6)
-        every_slot = model.logits_at(token, input_pos, cache, cache_len=None)
-    torch.testing.assert_close(written, every_slot, atol=1e-6, rtol=0)
+        every_cell = model.logits_at(token, input_pos, cache, cache_len=None)
+    torch.testing.assert_close(written, every_cell, atol=1e-6, rtol=0)
 
 
 def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     """Ten generate calls of different prompt lengths (padded and not), batch sizes and numbers
     of new tokens, past block_size (32) too: one graph, never recompiled, though on a CPU it reads
-    the slots written so far (their number its dynamic size, the whole cache's too); the
+    the cells written so far (their number its dynamic size, the whole cache's too); the
     cache's buffers are the same ones throughout; the tokens are the eager step's, greedy and
-    seeded. A second step (a window model's int8 ring, which reads every slot: static shapes) is a
+    seeded. A second step (a window model's int8 ring, which reads every cell: static shapes) is a
     second graph, not a recompile. Both are traced by dynamo
     and AOTAutograd with no code generated (aot_eager: guards, recompiles and static buffers are
     dynamo's either way); inductor's code for the step, float32 and over an int8 cache, is
@@ -67,7 +67,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
         # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8, backend="aot_eager")
-        assert step.slots.shape == (model.config.block_size,) and other.slots is None
+        assert step.cells.shape == (model.config.block_size,) and other.cells is None
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
@@ -91,7 +91,7 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
 @pytest.mark.parametrize("block_size", [2, 3])
 def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(block_size):
     """Blocks so short that a refill keeps no token (block_size // 2 - 1 = 0): the next step reads
-    one slot, a size the step's graph was not compiled for and is not called with (it runs no guard
+    one cell, a size the step's graph was not compiled for and is not called with (it runs no guard
     that would catch it): the eager step's tokens, sampled and greedy, refilling many times over."""
     model = tiny_model(block_size=block_size)
     step = CompiledDecodeStep(model, batch_size=2, backend="aot_eager")
@@ -179,7 +179,7 @@ DECODE_VARIANTS = {"mha": {}, "gqa": ATTENTION["gqa"], "mqa": ATTENTION["mqa"], 
 @pytest.mark.parametrize("split_kv", [False, True], ids=["sdpa", "split-kv"])
 @pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
 def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant, split_kv):
-    """The static step's computation (every slot of the cache, masked, with each K/V head's query
+    """The static step's computation (every cell of the cache, masked, with each K/V head's query
     heads folded into its queries, through SDPA under the step's backend list, or as the CUDA step
     runs it, split-KV attention: FlexAttention, whose CPU reference this runs, on heads it takes)
     against the naive backend (scores broadcast over each group, no SDPA) reading the same cache:
@@ -209,7 +209,7 @@ def test_the_decode_steps_folded_heads_equal_the_naive_backend(variant, split_kv
 @pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=DECODE_VARIANTS.keys())
 def test_every_sdpa_call_of_the_decode_step_is_mha_shaped(variant):
     """What the CUDA kernels need (PyTorch 2.11): no call of the step passes enable_gqa, each has
-    as many query heads as K/V heads, and one mask (the step's fixed shape reads every slot of the
+    as many query heads as K/V heads, and one mask (the step's fixed shape reads every cell of the
     layer's cache, and a learned sink is one key more)."""
     model = tiny_model(pos_emb="rope", **DECODE_VARIANTS[variant])
     sink_key = int(model.config.attn_sink_logit)

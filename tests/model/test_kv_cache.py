@@ -62,7 +62,7 @@ def test_every_cache_dtype_decodes_what_its_teacher_forced_prefill_computes(atte
 
 
 @pytest.mark.parametrize("attention", ["mha", "gqa", "mqa_cla2", "mla"])
-def test_a_window_model_decodes_through_a_ring_of_window_slots_past_block_size(attention):
+def test_a_window_model_decodes_through_a_ring_of_window_cells_past_block_size(attention):
     """3x past block_size (24), one token at a time, after a prefill longer than the window: the
     logits of the whole sequence recomputed under the window mask, and the cache never more than
     the window's positions."""
@@ -98,7 +98,7 @@ def test_a_window_cache_shorter_than_the_window_is_a_plain_one():
 ])
 def test_an_all_window_cache_rings_whenever_its_window_fits_max_len(window, sinks, max_len, rings):
     """Every layer windowed: the cache takes positions without end whenever max_len reaches the
-    window, its ring then holding sinks + window slots even where that exceeds max_len; with a
+    window, its ring then holding sinks + window cells even where that exceeds max_len; with a
     layer over the whole context, a windowed layer rings only where sinks + window fit (the cache
     refills at max_len)."""
     model = GPT(tiny_config(pos_emb="rope", attn_window=window, attn_sinks=sinks))

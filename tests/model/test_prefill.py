@@ -82,7 +82,7 @@ def test_num_samples_of_one_prompt_prefill_it_once(kind):
 @pytest.mark.parametrize("kind", ["window, sinks", "gqa window, sinks, sink logit"])
 def test_a_prompt_past_block_size_goes_into_a_ring_a_block_at_a_time(kind):
     """A sink model's next token depends on its whole prompt, however long. In one pass its
-    attention would be T x (T + slots), a sink logit's bias so per head: ~26,000 characters took 23
+    attention would be T x (T + cells), a sink logit's bias so per head: ~26,000 characters took 23
     GB. It is prefilled block_size (24) tokens a pass, the tokens those of one pass (chunks are exact)
     and of the uncached reference."""
     model = cache_kind_model(ENDLESS[kind])

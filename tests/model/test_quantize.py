@@ -146,7 +146,7 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
     of the main job's model: every layer shape of it, and two compiles (COMPILED); the compiled
     int8-weights step keeps its cache in int8 too (inductor's code for reading an int8 cache). A
     block of 14: the last of the 10 new tokens after 5 is computed over the whole cache, which the
-    compiled step's graph reads as it reads any number of slots. Inductor's cache stores the float
+    compiled step's graph reads as it reads any number of cells. Inductor's cache stores the float
     step (nothing in it makes it bypass the cache); the int8 step, its weights frozen in, is a
     package on disk (step_package) that a later step of the same model loads, compiling nothing."""
     from torch._dynamo.utils import counters

@@ -1,5 +1,5 @@
 """model/recorder.py: DecodeRecorder: what it keeps of a decode is the decode's own, for every
-attention option and cache kind: the tokens it printed, the slot layout a cache of that kind must have, and
+attention option and cache kind: the tokens it printed, the cell layout a cache of that kind must have, and
 weights equal to the naive backend's over the same context, uncached."""
 
 import functools
@@ -47,7 +47,7 @@ def naive_weights(model, ids: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def check_layout(step, s, n, record, config):
-    """The slots a cache of this kind holds after the step that fed tokens 0 .. n-1, and which it
+    """The cells a cache of this kind holds after the step that fed tokens 0 .. n-1, and which it
     just wrote; without a cache, the context."""
     cache = record["cache"]
     if cache is None:
@@ -57,7 +57,7 @@ def check_layout(step, s, n, record, config):
         return
     for g, (kind, group) in enumerate(zip(cache["groups"], step["groups"])):
         seq, written = group["seq"], group["written"]
-        if not kind["ring"]:  # position p in slot p, from the token at position 0
+        if not kind["ring"]:  # position p in cell p, from the token at position 0
             assert seq == list(range(step["offset"], n)), (g, seq)
         else:  # sinks keep the first tokens; the ring the last `window`, in cyclic order
             k, w = cache["sinks"], kind["window"]
@@ -76,9 +76,9 @@ def check_layout(step, s, n, record, config):
 
 
 def check_weights(model, record, kind):
-    """Each step's weights, slot by slot, are the naive backend's over the context its first row
-    has alone (from the token at position 0), uncached; a slot holds a token of that context or
-    none (-1: empty, or padding of the batch), and a slot holding none has no weight."""
+    """Each step's weights, cell by cell, are the naive backend's over the context its first row
+    has alone (from the token at position 0), uncached; a cell holds a token of that context or
+    none (-1: empty, or padding of the batch), and a cell holding none has no weight."""
     tolerance = 3e-2 if kind == "int8" else 1e-6  # int8: the weights over K rounded to 8 bits
     for s, step in enumerate(record["steps"]):
         n = record["prompt_len"] + s  # tokens fed when this step's forward ran
@@ -120,13 +120,13 @@ def test_the_record_is_the_decodes_own(name):
 
 @pytest.mark.parametrize("name", ["learned positions", "window, sinks", "local/global, sinks, sink logit"])
 def test_a_batchs_first_row_is_recorded_as_it_would_be_alone(name):
-    # Left-padded first (its pad slots hold no token), or the longer row beside a padded one (a
+    # Left-padded first (its pad cells hold no token), or the longer row beside a padded one (a
     # refill pads it: the other row keeps more).
     model = MODELS[name]()
     torch.manual_seed(4)
     long = torch.randint(0, 37, (PROMPT,)).tolist()
     short = long[:10] + torch.randint(0, 37, (4,)).tolist()
-    for kind in ("float32", "no cache", "chunks of 4"):  # (int8 lays its slots out as float32 does)
+    for kind in ("float32", "no cache", "chunks of 4"):  # (int8 lays its cells out as float32 does)
         kw = CACHES[kind] | dict(share_prefix=False)
         for prompt, other in ((short, long), (long, short)):
             tokens, record = recorded(model, prompt, other, **kw)
