@@ -188,10 +188,11 @@ class Ring(GroupCache):
 
     def place(self, stored, input_pos, parts, pad=None) -> None:
         """The last `window` positions, each in its cell; each row's sinks in theirs."""
+        cells = self.sinks + input_pos[-self.window:] % self.window          # (<= window,)
         for tensor, part in zip(stored.rows(parts[0].size(0)), parts):
-            self.write_sinks(tensor, input_pos, part, pad)
-            tensor.index_copy_(2, self.sinks + input_pos[-self.window:] % self.window,
-                               part[:, :, -self.window:])
+            if self.sinks:
+                self.write_sinks(tensor, input_pos, part, pad)
+            tensor.index_copy_(2, cells, part[:, :, -self.window:])
 
     def write_sinks(self, tensor, input_pos, part, pad):
         """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `pad`) in the
