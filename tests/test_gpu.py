@@ -26,7 +26,7 @@ from model.device import Precision
 from model.generation import for_decoding, generate
 from model.sampling import draw
 from tests.helpers import ROOT, clean_env, compose, split_kv_wide, tiny_model, train_checked
-from tests.model.test_generation import DECODE_VARIANTS
+from tests.model.test_decode_step import DECODE_VARIANTS
 from training.optimizer import BatchedMuon, configure_optimizer
 from training.step import TrainStep
 from training.throughput import PEAK_BF16_TFLOPS, Throughput, peak_tflops
