@@ -44,7 +44,7 @@ checkpoint is evaluated on its whole val split in each precision.
    and peak memory, each in a fresh process.
 8. The step by attention variant (`--sections variants`): MHA, GQA (4 K/V heads), MQA and MLA at
    GPT-2 small width (12/12/768, RoPE), 1024 cached positions, batch 1 and 16: the eager step
-   (reads the written slots, no mask) and the compiled step's formulation (every slot under a mask,
+   (reads the written cells, no mask) and the compiled step's formulation (every cell under a mask,
    through the kernels the compiled step allows, `decode_backends`; here eagerly), tokens/s. Each
    variant in a fresh process that imports the model from `--code` (default: this checkout), so the same
    script measures two checkouts side by side (before and after a change).
@@ -415,7 +415,7 @@ STEP_VARIANTS = {"MHA": {}, "GQA": {"n_kv_head": 4}, "MQA": {"n_kv_head": 1},
 def variant_steps(code: str) -> None:
     print(f"\n### The one-token step by attention variant: GPT-2 small width, RoPE, 1024 cached positions, "
           f"{torch.get_num_threads()} threads, the model from {code}; tokens/s\n")
-    print("| variant | eager, batch 1 | every slot masked, batch 1 | eager, batch 16 | every slot masked, "
+    print("| variant | eager, batch 1 | every cell masked, batch 1 | eager, batch 16 | every cell masked, "
           "batch 16 |\n| --- | --- | --- | --- | --- |")
     for name, fields in STEP_VARIANTS.items():
         out = subprocess.run([sys.executable, "-c", VARIANT_STEPS.format(code=code, fields=fields)], cwd=ROOT,

@@ -564,9 +564,9 @@ def decoding(model: GPT, device: torch.device, dtype: torch.dtype, pad_head: boo
 
 def variant_row(fields: dict, batch: int, device: torch.device, smoke: bool, split_kv: bool,
                 copy_gbs: float, backend: str = "cuda_graph", pad_head: bool = True) -> dict:
-    """tokens/s and peak memory of the one-token step at the last slot of a full cache (filled
+    """tokens/s and peak memory of the one-token step at the last cell of a full cache (filled
     with random values: a prefill would cost far more than the measurement), which reads every
-    slot as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is the
+    cell as the compiled step does, its attention split-KV (split_kv) or SDPA's. On CUDA it is the
     CompiledDecodeStep of `backend`: the eager step captured as a CUDA graph (no compile of the
     step: 32 of them would take minutes; split-KV's kernel is compiled, once per shape), or
     inductor's, and its graph replayed; on the CPU it runs eagerly. Against the floor: the time its

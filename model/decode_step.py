@@ -90,13 +90,14 @@ class CompiledDecodeStep:
         # traced function, they keep AOTAutograd's cache from storing it: ~1 s of each CPU start).
         self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
         self.inputs = (self.token, self.input_pos, self.cache, self.pad)
-        # On a CPU, a cache that is not one ring is read up to its last written cell: cells[:n],
+        # On a CPU, a cache that is not one ring is read up to its last written cell: cells_read[:n],
         # whose size n is the step's one dynamic dimension. (A ring reads every cell.)
         reads_written = device.type != "cuda" and not self.cache.ring
-        self.cells = torch.empty(self.cache.max_len, device=device) if reads_written else None
+        self.cells_read = torch.empty(self.cache.max_len, device=device) if reads_written else None
 
-        def logits_at(token, input_pos, cache, pad, cells=None):
-            return model.logits_at(token, input_pos, cache, pad, None if cells is None else cells.size(0))
+        def logits_at(token, input_pos, cache, pad, cells_read=None):
+            reads = None if cells_read is None else cells_read.size(0)
+            return model.logits_at(token, input_pos, cache, pad, reads)
 
         with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
@@ -117,7 +118,7 @@ class CompiledDecodeStep:
 
     def compiled(self, logits_at, backend: str):
         """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
-        as a CUDA graph after), or on a CPU one whose `cells` size is dynamic."""
+        as a CUDA graph after), or on a CPU one whose `cells_read` size is dynamic."""
         on_cpu = self.token.device.type == "cpu"
         if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
             for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
@@ -131,7 +132,7 @@ class CompiledDecodeStep:
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         if backend == "inductor" and on_cpu:
             options["cpp_wrapper"] = True
-        dynamic = None if self.cells is not None else False  # None: a size that changes (cells') is dynamic
+        dynamic = None if self.cells_read is not None else False  # None: the size that changes is dynamic
         return torch.compile(logits_at, backend=backend, dynamic=dynamic, fullgraph=True, options=options)
 
     def compiled_reading_written(self, step, logits_at):
@@ -140,18 +141,18 @@ class CompiledDecodeStep:
 
         def run(reads: int):
             nonlocal compiled
-            if self.cells is None:
+            if self.cells_read is None:
                 return step(*self.inputs)
-            cells = self.cells[:reads]                                     # (reads,)
+            cells_read = self.cells_read[:reads]                           # (reads,)
             if reads < 2:  # 1 cell (a refill that kept no token): a size dynamo makes a constant
                 with self.kernels():
-                    return logits_at(*self.inputs, cells)  # so it runs eagerly
+                    return logits_at(*self.inputs, cells_read)  # so it runs eagerly
             # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
             # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
             if not compiled:
-                torch._dynamo.mark_dynamic(cells, 0)
+                torch._dynamo.mark_dynamic(cells_read, 0)
                 compiled = True
-            return step(*self.inputs, cells)
+            return step(*self.inputs, cells_read)
 
         return run
 
@@ -162,24 +163,25 @@ class CompiledDecodeStep:
         the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
         cells outside those it was exported for (below 2, or where export specialised) runs eagerly."""
         path = step_package(self.model, self.cache)
-        reads_written = self.cells is not None
-        # a ring reads every cell: its `cells` input is a placeholder of fixed size
-        cells = self.cells[:max(2, self.cache.max_len - 1)] if reads_written else self.token.new_empty(0)
+        reads_written = self.cells_read is not None
+        # a ring reads every cell: its `cells_read` input is a placeholder of fixed size
+        cells_read = (self.cells_read[:max(2, self.cache.max_len - 1)] if reads_written
+                      else self.token.new_empty(0))
         tensors = self.cache.tensors
         if not path.exists():
-            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, cells, tensors),
+            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, cells_read, tensors),
                         reads_written, path, self.kernels)
         # The package's own runner, not torch._inductor.aoti_load_package: that imports inductor (~3 s)
         runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
         low, high = (int(n) for n in runner.get_metadata()["reads"].split())
-        inputs = [self.token, self.input_pos, self.pad, cells, *tensors]
+        inputs = [self.token, self.input_pos, self.pad, cells_read, *tensors]
 
         def run(reads: int):
             if reads_written and not low <= reads <= high:
                 with self.kernels():
-                    return logits_at(*self.inputs, self.cells[:reads])
+                    return logits_at(*self.inputs, self.cells_read[:reads])
             if reads_written:
-                inputs[3] = self.cells[:reads]                             # (reads,)
+                inputs[3] = self.cells_read[:reads]                        # (reads,)
             return runner.run(inputs)[0]
 
         return run
@@ -277,15 +279,15 @@ class ExportedStep(torch.nn.Module):
         super().__init__()
         self.model, self.cache, self.reads_written = model, cache, reads_written
 
-    def forward(self, token, input_pos, pad, cells, tensors):
-        reads = cells.size(0) if self.reads_written else None
+    def forward(self, token, input_pos, pad, cells_read, tensors):
+        reads = cells_read.size(0) if self.reads_written else None
         return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
 
 
 def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
-    """Export the step over `cache` (example: token, input_pos, pad, cells, the cache's tensors) with
-    the size of `cells` dynamic from 2 to the cache's length where it reads the written cells (a cache
-    of 1 or 2 cells: the example's size alone), and
+    """Export the step over `cache` (example: token, input_pos, pad, cells_read, the cache's tensors)
+    with the size of `cells_read` dynamic from 2 to the cache's length where it reads the written
+    cells (a cache of 1 or 2 cells: the example's size alone), and
     compile it with AOTInductor into the package `path`, which records in its metadata the sizes
     export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
     of it)."""
@@ -293,12 +295,13 @@ def export_step(model, cache, example, reads_written: bool, path, kernels) -> No
     from torch._inductor.exc import InductorError
 
     dynamic = reads_written and cache.max_len > 2
-    cells_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
+    cells_read_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
     with kernels(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
-                                      dynamic_shapes=(None, None, None, cells_dims, [None] * len(example[4])))
-    cells = next(node for node in program.graph.find_nodes(op="placeholder") if node.name == "cells")
-    reads = cells.meta["val"].size(0)                                    # a SymInt where it stayed dynamic
+                                      dynamic_shapes=(None, None, None, cells_read_dims,
+                                                      [None] * len(example[4])))
+    inputs = {node.name: node for node in program.graph.find_nodes(op="placeholder")}
+    reads = inputs["cells_read"].meta["val"].size(0)                     # a SymInt where it stayed dynamic
     if isinstance(reads, torch.SymInt):
         bounds = program.range_constraints[reads.node.expr]
         low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))

@@ -63,11 +63,11 @@ class Stored:
         self.tensors = [torch.zeros(rows, heads, cells, dim, dtype=dtype, device=device)]
         self.batch_size, self.cells, self.dtype = rows, cells, dtype
 
-    def put(self, cells, x) -> torch.Tensor:
-        """Store x (B, heads, T, dim) in `cells` (T,) of the first B rows: `encode` and `place` in
+    def put(self, at, x) -> torch.Tensor:
+        """Store x (B, heads, T, dim) in cells `at` (T,) of the first B rows: `encode` and `place` in
         one call, the eager step's hot path (the two calls cost it ~1%)."""
         x = x if x.dtype == self.dtype else x.to(self.dtype)  # (a no-op .to still costs ~1 µs)
-        self.rows(x.size(0))[0].index_copy_(2, cells, x)
+        self.rows(x.size(0))[0].index_copy_(2, at, x)
         return x
 
     def encode(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -75,9 +75,10 @@ class Stored:
         x = x if x.dtype == self.dtype else x.to(self.dtype)
         return [x], x
 
-    def place(self, cells, parts) -> None:
+    def place(self, at, parts) -> None:
+        """Put `encode`'s parts (B, heads, T, .) in cells `at` (T,)."""
         for tensor, part in zip(self.rows(parts[0].size(0)), parts):
-            tensor.index_copy_(2, cells, part)
+            tensor.index_copy_(2, at, part)
 
     def read(self, rows, n, one_query=False) -> torch.Tensor:
         return self.rows(rows)[0][:, :, :n]                              # (rows, heads, n, dim)
@@ -98,8 +99,8 @@ class Converted(Stored):
         super().__init__(rows, heads, cells, dim, dtype, device)
         self.compute_dtype, self.buffer = compute_dtype, buffer
 
-    def put(self, cells, x):
-        return self.read_back(super().put(cells, x))
+    def put(self, at, x):
+        return self.read_back(super().put(at, x))
 
     def encode(self, x):
         (x,), _ = super().encode(x)
@@ -138,7 +139,7 @@ class Int8(Converted):
     keep_error = False
 
     def __init__(self, rows, heads, cells, dim, dtype, device, compute_dtype, buffer):
-        super().__init__(rows, heads, cells, dim, torch.int8, device, compute_dtype, buffer)
+        super().__init__(rows, heads, cells, dim, dtype, device, compute_dtype, buffer)
         self.tensors.append(torch.zeros(rows, heads, cells, 1, dtype=compute_dtype, device=device))
         self.error = None
 
@@ -151,9 +152,9 @@ class Int8(Converted):
             self.error = (new.float() - given).norm() / given.norm().clamp(min=1e-30)
         return [q, scale], new
 
-    def put(self, cells, x):
+    def put(self, at, x):
         parts, new = self.encode(x)
-        self.place(cells, parts)
+        self.place(at, parts)
         return new
 
     def read(self, rows, n, one_query=False):
@@ -189,21 +190,22 @@ class Ring(GroupCache):
 
     def place(self, stored, input_pos, parts, pad=None) -> None:
         """The last `window` positions, each in its cell; each row's sinks in theirs."""
-        cells = self.sinks + input_pos[-self.window:] % self.window          # (<= window,)
-        for tensor, part in zip(stored.rows(parts[0].size(0)), parts):
-            if self.sinks:
-                self.write_sinks(tensor, input_pos, part, pad)
-            tensor.index_copy_(2, cells, part[:, :, -self.window:])
+        if self.sinks:
+            self.write_sinks(stored, input_pos, parts, pad)
+        at = self.sinks + input_pos[-self.window:] % self.window             # (<= window,) cells
+        stored.place(at, [part[:, :, -self.window:] for part in parts])
 
-    def write_sinks(self, tensor, input_pos, part, pad):
+    def write_sinks(self, stored, input_pos, parts, pad):
         """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `pad`) in the
         first cells, whichever columns they are written at: a fixed-shape `where` per sink."""
-        rows = torch.arange(part.size(0), device=part.device)
-        row_pos = (input_pos - (0 if pad is None else pad[:, None])).expand(part.size(0), -1)  # (B, T)
+        B = parts[0].size(0)
+        rows = torch.arange(B, device=input_pos.device)
+        row_pos = (input_pos - (0 if pad is None else pad[:, None])).expand(B, -1)  # (B, T)
         for s in range(self.sinks):
             at = row_pos == s                                              # (B, T): at most one per row
             t, written = at.int().argmax(dim=1), at.any(dim=1)[:, None, None]  # (B,), (B, 1, 1)
-            tensor[:, :, s] = torch.where(written, part[rows, :, t], tensor[:, :, s])
+            for tensor, part in zip(stored.rows(B), parts):
+                tensor[:, :, s] = torch.where(written, part[rows, :, t], tensor[:, :, s])
 
     def reads_before_writing(self, T, read) -> bool:
         """A chunk of T > 1 positions into a ring that holds earlier ones: its queries need keys the

@@ -175,7 +175,7 @@ def test_a_learned_sink_logit_is_a_key_of_zero_value_in_every_softmax(backend):
 
 
 def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
-    """An int8 cache's one-query step runs compiled from 2**18 numbers a cell, judged by the whole cell
+    """An int8 cache's one-query step runs compiled from 2**18 numbers a group, judged by its whole cache
     (its rows and positions), not by the part a step reads: a stream reading past 2**18 numbers never
     stops mid-sample to compile (31 s for one step, against 0.4 s); a smaller cache never compiles.
     (Which kernel, not its run: compiling takes seconds, test_quantize runs inductor's code.)"""

@@ -67,7 +67,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
         # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8, backend="aot_eager")
-        assert step.cells.shape == (model.config.block_size,) and other.cells is None
+        assert step.cells_read.shape == (model.config.block_size,) and other.cells_read is None
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
