@@ -11,7 +11,6 @@ from model.decode_step import CompiledDecodeStep
 from model.generation import generate, new_tokens_allowed, stream
 from model.sampling import Sampling
 from tests.helpers import ATTENTION, VARIANTS, cache_kind_model, stream_logits, tiny_model
-from training.evaluation import split_loss
 
 
 @pytest.mark.parametrize("attention", ATTENTION.values(), ids=ATTENTION.keys())
@@ -210,22 +209,6 @@ def test_memory_does_not_grow_with_max_new_tokens():
     first = [next(tokens) for _ in range(60)]  # 2.5x block_size: the buffer moved its last 24 forward
     reference = generate(model, torch.zeros(1, 2, dtype=torch.long), 60, temperature=0)[0, 2:]
     assert torch.equal(torch.cat(first), reference)
-
-
-def test_split_loss_checks_its_arguments_and_batches_as_asked():
-    model = tiny_model()
-    tokens = torch.randint(0, 37, (200,))
-    widths = []
-    hook = model.register_forward_pre_hook(lambda module, args: widths.append(args[0].size(0)))
-    losses = [split_loss(model, tokens, windows_per_batch=n) for n in (1, 3, 64)]
-    hook.remove()
-    assert widths == [1] * 9 + [3] * 3 + [9]  # 199 targets: 9 windows of 24, at most n per forward
-    assert losses == pytest.approx([losses[0]] * 3, abs=1e-6)
-    for bad, message in [({"tokens": tokens.float()}, "tokens must be a 1-D split of 2 token ids"),
-                         ({"windows_per_batch": 0}, "windows_per_batch must be an integer >= 1"),
-                         ({"kv_dtype": torch.int32}, "kv_dtype must be one of")]:
-        with pytest.raises(ValueError, match=message):
-            split_loss(model, **({"tokens": tokens} | bad))
 
 
 def test_a_sink_model_generates_ten_times_past_block_size_at_constant_cache_bytes():
