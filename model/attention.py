@@ -327,29 +327,39 @@ def with_sink_key(k, v, mask, sink_logit, shape, dtype):
             torch.cat([bias, sink], dim=-1))                                # (B, n_head, T, S + 1)
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0):
+def rope_angles(positions: torch.Tensor, head_dim: int, base: float = 10000.0, scaling: tuple | None = None):
     """cos and sin of RoPE's angles at `positions` (any shape P), each (*P, head_dim) in float32, laid
     out for `apply_rope`: cos over both halves, sin negated over the first. Computed per call, from
-    the positions: no table, so no last position. The frequencies are kept (a compiled step's graph
-    computes them)."""
+    the positions: no table, so no last position. The frequencies (rope_frequencies: `base`, Llama 3's
+    `scaling`) are kept (a compiled step's graph computes them)."""
     frequencies = rope_frequencies if torch.compiler.is_compiling() else kept_rope_frequencies
-    inv_freq = frequencies(head_dim, base, positions.device)            # (head_dim/2,)
+    inv_freq = frequencies(head_dim, base, scaling, positions.device)   # (head_dim/2,)
     angles = positions.float()[..., None] * inv_freq                   # (*P, head_dim/2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)  # (*P, head_dim) each
 
 
-def rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
-    """RoPE's head_dim/2 frequencies, base^(-2i/head_dim), in float32."""
-    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+def rope_frequencies(head_dim: int, base: float, scaling: tuple | None = None, device=None) -> torch.Tensor:
+    """RoPE's head_dim/2 frequencies, base^(-2i/head_dim), in float32. With Llama 3's `scaling`, the
+    values of GPTConfig.rope_scaling in ROPE_SCALING_KEYS' order (factor, low, high, original): a
+    wavelength longer than original / low (a pattern the model never saw whole in training) is
+    stretched by `factor`, one shorter than original / high kept, and those between blended."""
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelength = 2 * math.pi / inv_freq
+    kept = ((original / wavelength - low) / (high - low)).clamp(0, 1)  # 0: stretched ... 1: kept
+    return (1 - kept) * inv_freq / factor + kept * inv_freq
 
 
 @functools.cache
-def kept_rope_frequencies(head_dim: int, base: float, device=None) -> torch.Tensor:
+def kept_rope_frequencies(head_dim: int, base: float, scaling: tuple | None = None,
+                          device=None) -> torch.Tensor:
     """rope_frequencies, made once and kept: outside inference mode, an ordinary tensor whichever call
     made it first (an inference tensor cannot be saved for a backward pass)."""
     with torch.inference_mode(False):
-        return rope_frequencies(head_dim, base, device)
+        return rope_frequencies(head_dim, base, scaling, device)
 
 
 def apply_rope(x, cos, sin):
@@ -416,8 +426,10 @@ class CausalSelfAttention(Attention):
         super().__init__(config, layer_idx)
         self.n_kv_head = config.n_kv_head
         self.kv_dim = config.n_kv_head * config.head_dim if self.makes_kv else 0
-        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_dim, bias=config.bias)  # [q, k, v]
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        q_dim = config.n_head * config.head_dim
+        qkv_bias = config.bias if config.qkv_bias is None else config.qkv_bias
+        self.qkv = nn.Linear(config.n_embd, q_dim + 2 * self.kv_dim, bias=qkv_bias)  # [q, k, v]
+        self.proj = nn.Linear(q_dim, config.n_embd, bias=config.bias)
         self.q_norm = make_norm(config, config.head_dim) if config.qk_norm else None
         self.k_norm = make_norm(config, config.head_dim) if config.qk_norm and self.makes_kv else None
 
@@ -429,7 +441,7 @@ class CausalSelfAttention(Attention):
         query sees; without one, plainly causal (within the window): SDPA's fused kernels. A layer
         that makes no K/V attends over `shared_kv`. The queries and keys are one tensor until RoPE
         has rotated both in one go. (split_with_sizes: split's list form without its Python wrapper.)"""
-        B, T, C = x.shape
+        B, T, _ = x.shape
         n_k = self.n_kv_head if self.makes_kv else 0                    # key (and value) heads made here
         heads = self.qkv(x).view(B, T, self.n_head + 2 * n_k, self.head_dim)   # (B, T, [q, k, v] heads, hd)
         qk, v = heads.transpose(1, 2).split_with_sizes([self.n_head + n_k, n_k], dim=1)  # (B, heads, T, hd)
@@ -445,7 +457,7 @@ class CausalSelfAttention(Attention):
         else:
             k, v = shared_kv
         out = self.attend(q, k, v, attn_mask)                              # (B, n_head, T, hd)
-        out = out.transpose(1, 2).reshape(B, T, C)                      # (B, T, n_embd)
+        out = out.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, n_head * hd)
         return self.proj(out), (k, v)
 
 
@@ -470,13 +482,13 @@ class LatentAttention(Attention):
         # Per head, the key then the value up-projection. A Parameter, not a Linear: the absorbed form
         # multiplies by it per head (and int8 decoding, which converts Linears, leaves it alone).
         self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)  # (2 * n_head * hd, L)
-        self.proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.proj = nn.Linear(config.n_head * hd, config.n_embd, bias=config.bias)
 
     def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
                 cache_len=None, pad=None):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""
-        B, T, C = x.shape
+        B, T, _ = x.shape
         hd, L, R = self.head_dim, self.latent_dim, self.rope_dim
         q = self.q(x).view(B, T, self.n_head, hd + R).transpose(1, 2)   # (B, n_head, T, hd + R)
         q, q_rope = q.split_with_sizes([hd, R], dim=-1)                   # (B, n_head, T, hd), (.., R)
@@ -511,5 +523,5 @@ class LatentAttention(Attention):
             out = self.attend(torch.cat([q_latent, q_rope], dim=-1), latent, latent, attn_mask,
                               scale)[..., :L]                             # (B, n_head, T, L)
             out = torch.einsum("bhtl,hdl->bhtd", out, w_v)                # (B, n_head, T, hd)
-        out = out.transpose(1, 2).reshape(B, T, C)                      # (B, T, n_embd)
+        out = out.transpose(1, 2).reshape(B, T, self.n_head * hd)       # (B, T, n_head * hd)
         return self.proj(out), latent

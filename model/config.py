@@ -7,6 +7,9 @@ import typing
 from dataclasses import dataclass
 
 INT64_MAX = 2**63 - 1  # the largest integer torch holds
+# Llama 3's RoPE scaling (rope_type llama3): wavelengths past original_max_position_embeddings /
+# low_freq_factor are stretched by `factor`, those under ... / high_freq_factor kept, those between blended.
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 OPTIONS = {
     "pos_emb": ("learned", "rope"),
@@ -40,16 +43,28 @@ class GPTConfig:
     tie_embeddings: bool = True
     attn_backend: str = "sdpa"
     norm_eps: float = 1e-5
+    # What real models set (model.pretrained reads them from a config.json); None: derived as before.
+    head_dim: int | None = None  # each head's width; None: n_embd // n_head (Qwen3-0.6B: 1,024, 16 x 128)
+    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4 n_embd, or 8 ceil(n_embd / 3) with SwiGLU
+    qkv_bias: bool | None = None  # biases on q, k and v alone (Qwen2's); None: as `bias`
+    rope_base: float = 10000.0  # RoPE's base, theta (Llama 3: 500,000; Qwen3: 1,000,000)
+    rope_scaling: list[float] | None = None  # Llama 3's frequency scaling, ROPE_SCALING_KEYS' values
 
     def __post_init__(self):
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "kv_share"):
             check_int(self, name, 1)
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}"
-            )
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
+                                 f"(or set head_dim)")
+            self.head_dim = self.n_embd // self.n_head
+        check_int(self, "head_dim", 1)
+        if self.mlp_hidden is not None:
+            check_int(self, "mlp_hidden", 1)
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"GPTConfig.qkv_bias must be true, false or null, got {self.qkv_bias!r}")
         if self.n_head % self.n_kv_head:
             raise ValueError(
                 f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}"
@@ -64,14 +79,36 @@ class GPTConfig:
                     f"GPTConfig.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
                 )
         if self.pos_emb == "rope" and self.mla_latent_dim is None and self.head_dim % 2:
-            raise ValueError(
-                f"GPTConfig.pos_emb='rope' needs an even head dim, "
-                f"but n_embd/n_head = {self.head_dim}"
-            )
+            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head_dim, got {self.head_dim}")
+        self.check_rope()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
         if not 0 < self.norm_eps < math.inf:
             raise ValueError(f"GPTConfig.norm_eps must be a positive finite number, got {self.norm_eps}")
+
+    def check_rope(self) -> None:
+        if not is_real(self.rope_base) or not 1 < self.rope_base < math.inf:
+            raise ValueError(f"GPTConfig.rope_base must be a finite number > 1, got {self.rope_base!r}")
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, typing.Sequence) or len(scaling) != len(ROPE_SCALING_KEYS) \
+                or not all(is_real(v) and 0 < v < math.inf for v in scaling):
+            raise ValueError(f"GPTConfig.rope_scaling must be null or Llama 3's "
+                             f"[{', '.join(ROPE_SCALING_KEYS)}], each a positive number, got {scaling!r}")
+        self.rope_scaling = scaling = [float(v) for v in scaling]  # (a plain list, as a checkpoint keeps it)
+        if scaling[2] <= scaling[1]:
+            raise ValueError(f"GPTConfig.rope_scaling: high_freq_factor must exceed low_freq_factor, got "
+                             f"{scaling[2]} and {scaling[1]}")
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP's hidden width: mlp_hidden, or by default GELU's 4 n_embd, and with SwiGLU (three
+        matrices instead of two) 8 ceil(n_embd / 3), which keeps the parameter count (rounded up to
+        a multiple of 8)."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 8 * math.ceil(self.n_embd / 3) if self.mlp == "swiglu" else 4 * self.n_embd
 
     def check_mla(self) -> None:
         check_int(self, "mla_rope_dim", 0)
@@ -141,10 +178,6 @@ class GPTConfig:
     def windows(self) -> list[int | None]:
         """Every layer's window (None: the whole context)."""
         return [self.layer_window(i) for i in range(self.n_layer)]
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
 
     @property
     def rope_dim(self) -> int:

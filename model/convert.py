@@ -22,7 +22,8 @@ import torch
 
 from model import checkpoint
 from model.checkpoint import Checkpoint
-from model.config import GPTConfig, check_integer
+from model.config import ROPE_SCALING_KEYS, GPTConfig, check_integer
+from model.pretrained import LLAMA_FUSED, LLAMA_NAMES, LLAMA_OUTER
 
 
 def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, GPTConfig]:
@@ -35,7 +36,7 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
     if config.n_kv_head % n_kv_head:  # (so it divides n_head too: the new config is valid)
         raise ValueError(f"n_kv_head={n_kv_head} must divide the checkpoint's {config.n_kv_head} K/V heads")
     new_config = dataclasses.replace(config, n_kv_head=n_kv_head)
-    C, hd, old = config.n_embd, config.head_dim, config.n_kv_head
+    q_dim, hd, old = config.n_head * config.head_dim, config.head_dim, config.n_kv_head
     group = old // n_kv_head
 
     def pool(t):  # (old * hd, ...) -> (n_kv_head * hd, ...)
@@ -45,8 +46,8 @@ def mean_pool_kv(state: dict, config: GPTConfig, n_kv_head: int) -> tuple[dict, 
     new_state = dict(state)
     for name, tensor in state.items():
         # Layers that reuse an earlier layer's K/V (kv_share > 1) project queries only.
-        if (name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias")) and len(tensor) > C:
-            q, k, v = tensor.split([C, old * hd, old * hd], dim=0)  # (C, ...), (old * hd, ...) x 2
+        if (name.endswith("attn.qkv.weight") or name.endswith("attn.qkv.bias")) and len(tensor) > q_dim:
+            q, k, v = tensor.split([q_dim, old * hd, old * hd], dim=0)  # (q_dim, ...), (old * hd, ...) x 2
             new_state[name] = torch.cat([q, pool(k), pool(v)], dim=0)
     return new_state, new_config
 
@@ -101,7 +102,9 @@ def neox_weights(model) -> tuple[dict, dict]:
     fuses q, k and v per head ([q_h, k_h, v_h] for each head h), where ours are [q, k, v] whole."""
     c = model.config
     required = {"pos_emb": "rope", "norm": "layernorm", "qk_norm": False, "kv_share": 1,
-                "n_kv_head": c.n_head, "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False}
+                "n_kv_head": c.n_head, "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False,
+                "head_dim": c.n_embd // c.n_head, "mlp_width": 4 * c.n_embd, "qkv_bias": None,
+                "rope_scaling": None}
     for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a GPT-NeoX needs model.{field}={'null' if value is None else value}, "
@@ -111,7 +114,7 @@ def neox_weights(model) -> tuple[dict, dict]:
     config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "num_hidden_layers": c.n_layer,
               "num_attention_heads": c.n_head, "intermediate_size": 4 * c.n_embd,
               "hidden_act": "gelu_new" if c.mlp == "gelu" else "gelu", "rotary_pct": 1.0,
-              "rotary_emb_base": 10000.0, "max_position_embeddings": c.block_size,
+              "rotary_emb_base": c.rope_base, "max_position_embeddings": c.block_size,
               "layer_norm_eps": c.norm_eps, "use_parallel_residual": False,
               "tie_word_embeddings": c.tie_embeddings,
               "attention_dropout": 0.0, "hidden_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 0}
@@ -140,38 +143,37 @@ def neox_weights(model) -> tuple[dict, dict]:
 def llama_layout(model, family: str, needs: dict) -> tuple[dict, dict]:
     """What Llama, Mistral and DeepseekV3 share: the config of a pre-norm RMSNorm/SwiGLU/RoPE
     decoder and the state of its embeddings, norms, MLPs and head, and for a model with K/V heads
-    (not MLA) its attention too. `needs`: more fields `family` requires of the model."""
+    (not MLA) its attention too, named as model.pretrained reads them. `needs`: more fields `family`
+    requires of the model."""
     c = model.config
     required = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False,
-                "kv_share": 1, "window_pattern": None, "attn_sinks": 0, "attn_sink_logit": False} | needs
+                "kv_share": 1, "window_pattern": None, "attn_sinks": 0, "attn_sink_logit": False,
+                "qkv_bias": None} | needs
     for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a {family} needs model.{field}={'null' if value is None else value}, "
                              f"this model has {getattr(c, field)!r}")
-    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd,
-              "intermediate_size": model.blocks[0].mlp.proj.in_features,
+    config = {"vocab_size": c.vocab_size, "hidden_size": c.n_embd, "intermediate_size": c.mlp_width,
               "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
               "num_key_value_heads": c.n_kv_head, "head_dim": c.head_dim,
-              "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "rope_theta": 10000.0,
+              "max_position_embeddings": c.block_size, "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_base,
               "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
               "tie_word_embeddings": c.tie_embeddings, "bos_token_id": 0, "eos_token_id": 0,
               "pad_token_id": 0}
+    if c.rope_scaling is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", **dict(zip(ROPE_SCALING_KEYS, c.rope_scaling))}
     ours = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {theirs: ours[name] for name, theirs in LLAMA_OUTER.items()}
     kv_dim = c.n_kv_head * c.head_dim
-    state = {"model.embed_tokens.weight": ours["wte.weight"], "model.norm.weight": ours["norm_f.weight"],
-             "lm_head.weight": ours["lm_head.weight"]}
+    rows = {"attn.qkv": [c.n_head * c.head_dim, kv_dim, kv_dim], "mlp.fc": [c.mlp_width] * 2}
     for i in range(c.n_layer):
         block, layer = f"blocks.{i}.", f"model.layers.{i}."
-        gate, up = ours[block + "mlp.fc.weight"].chunk(2)                             # (hidden, n_embd) each
-        state |= {layer + "mlp.gate_proj.weight": gate, layer + "mlp.up_proj.weight": up,
-                  layer + "mlp.down_proj.weight": ours[block + "mlp.proj.weight"],
-                  layer + "self_attn.o_proj.weight": ours[block + "attn.proj.weight"],
-                  layer + "input_layernorm.weight": ours[block + "norm_1.weight"],
-                  layer + "post_attention_layernorm.weight": ours[block + "norm_2.weight"]}
-        if c.mla_latent_dim is None:
-            q, k, v = ours[block + "attn.qkv.weight"].split([c.n_embd, kv_dim, kv_dim])  # (out, n_embd) each
-            state |= {layer + "self_attn.q_proj.weight": q, layer + "self_attn.k_proj.weight": k,
-                      layer + "self_attn.v_proj.weight": v}
+        state |= {layer + theirs: ours[block + name] for name, theirs in LLAMA_NAMES.items()
+                  if block + name in ours}
+        for name, parts in LLAMA_FUSED.items():  # (MLA has no attn.qkv: deepseek_v3_weights adds its own)
+            if block + name + ".weight" in ours:
+                fused = ours[block + name + ".weight"].split(rows[name])           # (their rows, n_embd) each
+                state |= {f"{layer}{part}.weight": tensor for part, tensor in zip(parts, fused)}
     return config, state
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles, visible
 from model.config import GPTConfig, check_integer
 from model.kv_cache import KVCache, storage_dtype
+from model.pretrained import FAMILIES, read_folder
 
 
 def make_dropout(config: GPTConfig):
@@ -26,9 +27,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.swiglu, self.exact_gelu = config.mlp == "swiglu", config.mlp == "gelu_exact"
-        # SwiGLU has three matrices instead of two: ~8/3·n_embd hidden units keep the parameter
-        # count equal to GELU's 4·n_embd (rounded up to a multiple of 8).
-        hidden = 8 * math.ceil(config.n_embd / 3) if self.swiglu else 4 * config.n_embd
+        hidden = config.mlp_width
         self.fc = nn.Linear(config.n_embd, hidden * (2 if self.swiglu else 1), bias=config.bias)
         self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
 
@@ -74,6 +73,8 @@ class GPT(nn.Module):
         # Each window the layers have (None: the whole context), with the cache group of its first
         # layer: attention_masks makes one mask each, every step.
         self.window_groups = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
+        scaling = None if config.rope_scaling is None else tuple(config.rope_scaling)
+        self.rope = (config.rope_dim, config.rope_base, scaling)  # rope_angles' arguments after the positions
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -90,58 +91,26 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dropout: float = 0.0) -> "GPT":
-        """GPT-2 from a local Hugging Face directory (config.json + model.safetensors, as
-        `save_pretrained` writes it), read with safetensors: no `transformers` needed."""
-        import json
-        from pathlib import Path
-
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-            raise ValueError(f"{path} is not a Hugging Face GPT-2 directory "
-                             f"(config.json and model.safetensors)")
+        """The model of a local Hugging Face folder (config.json and safetensors, as `save_pretrained`
+        writes them) of GPT-2 or the Llama family: model.pretrained reads it, no `transformers` needed.
+        Built on the meta device and then given memory, so no weight is initialised only to be
+        overwritten (seconds at a billion parameters); every weight must come from the folder."""
+        family, config, state = read_folder(path, dropout)
+        with torch.device("meta"):
+            model = cls(config)
+        model.to_empty(device="cpu")
+        if config.tie_embeddings:
+            model.lm_head.weight = model.wte.weight  # (to_empty gives each module a tensor of its own)
+        expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not match {FAMILIES[family]} (missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]})")
         try:
-            hf = json.loads((path / "config.json").read_text())
-            sizes = {"vocab_size": hf["vocab_size"], "block_size": hf["n_positions"],
-                     "n_layer": hf["n_layer"], "n_head": hf["n_head"], "n_embd": hf["n_embd"]}
-        except (ValueError, KeyError, TypeError) as e:  # not JSON, a key missing, not a dict
-            raise ValueError(f"{path / 'config.json'} is not a GPT-2 config ({type(e).__name__}: {e})") from e
-        supported = {"activation_function": "gelu_new", "n_inner": None, "scale_attn_weights": True,
-                     "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-                     "tie_word_embeddings": True}
-        for field, value in supported.items():
-            if hf.get(field, value) != value:
-                raise ValueError(f"unsupported GPT-2 config: {field}={hf[field]!r} (supported: {value!r})")
-        config = GPTConfig(**sizes, norm_eps=hf.get("layer_norm_epsilon", 1e-5), dropout=dropout)
-        model = cls(config)
-        try:
-            weights = load_file(path / "model.safetensors")
-        except Exception as e:  # noqa: BLE001  safetensors' own error for a damaged file, or an OSError
-            raise ValueError(f"{path / 'model.safetensors'} cannot be read ({type(e).__name__}: {e})") from e
-        weights = {k.removeprefix("transformer."): v for k, v in weights.items()}
-        renames = {"ln_1": "norm_1", "ln_2": "norm_2", "attn.c_attn": "attn.qkv",
-                   "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc", "mlp.c_proj": "mlp.proj"}
-        state = {}
-        for key, tensor in weights.items():
-            if key.endswith((".attn.bias", ".attn.masked_bias")) or key == "lm_head.weight":
-                continue  # causal-mask buffers of old checkpoints; the head is tied to wte
-            name = key.replace("h.", "blocks.", 1).replace("ln_f.", "norm_f.")
-            for old, new in renames.items():
-                name = name.replace(f".{old}.", f".{new}.")
-            # GPT-2's Conv1D stores (in, out); nn.Linear wants (out, in).
-            is_conv1d = name.endswith(".weight") and any(f".{n}." in name for n in renames.values()
-                                                          if "norm" not in n)
-            state[name] = tensor.t() if is_conv1d else tensor
-        try:
-            missing, unexpected = model.load_state_dict(state, strict=False)
+            model.load_state_dict(state, strict=False)
         except RuntimeError as e:  # a tensor whose shape config.json does not give
             raise ValueError(f"{path}: weights do not match its config.json "
                              f"({str(e).strip().splitlines()[-1].strip()})") from e
-        missing = [k for k in missing if k != "lm_head.weight"]
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match GPT-2 (missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]})")
         return model
 
     def num_params(self) -> int:
@@ -232,7 +201,7 @@ class GPT(nn.Module):
         if self.wpe is not None:
             x = x + self.wpe(positions)
         else:
-            cos, sin = rope_angles(positions, self.config.rope_dim)      # (T or B,T, rope_dim)
+            cos, sin = rope_angles(positions, *self.rope)                # (T or B,T, rope_dim)
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim)
             rope = (cos, sin)

@@ -137,8 +137,8 @@ def test_the_imports_have_no_circle():
 # model/'s files from the bottom up: each imports only files before it (the package's __init__,
 # its public face, sits on top). A new file takes its place here, which is where a reader finds
 # the order to read them in.
-MODEL_ORDER = ["config", "device", "kv_cache", "quantize", "attention", "gpt", "checkpoint", "convert",
-               "sampling", "prefill", "decode_step", "recorder", "generation", "__init__"]
+MODEL_ORDER = ["config", "device", "kv_cache", "quantize", "attention", "pretrained", "gpt", "checkpoint",
+               "convert", "sampling", "prefill", "decode_step", "recorder", "generation", "__init__"]
 MODEL_FILES = sorted((ROOT / "model").glob("*.py"))
 
 

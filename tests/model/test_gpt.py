@@ -150,7 +150,7 @@ def test_rope_frequencies_made_by_a_generation_train_and_equal_the_formula():
         generate(tiny_model(pos_emb="rope"), torch.zeros(1, 1, dtype=torch.long), 3)
     assert all(torch.equal(a, b) for a, b in zip(gradients(), expected))
     head_dim = tiny_config().head_dim
-    assert torch.equal(kept_rope_frequencies(head_dim, 10000.0, torch.device("cpu")),
+    assert torch.equal(kept_rope_frequencies(head_dim, 10000.0, None, torch.device("cpu")),
                        rope_frequencies(head_dim, 10000.0))
 
 

@@ -67,7 +67,7 @@ def test_init_from_a_hugging_face_directory(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("config.json:{not json", r"config.json is not a GPT-2 config \(JSONDecodeError"),
+    ("config.json:{not json", r"config.json is not a Hugging Face config \(JSONDecodeError"),
     ('config.json:{"n_layer": 2}', r"config.json is not a GPT-2 config \(KeyError"),
     ("model.safetensors:garbage", r"model.safetensors cannot be read"),
     ('config.json:{"vocab_size": 97, "n_positions": 48, "n_embd": 64, "n_layer": 2, "n_head": 4}',
