@@ -11,6 +11,7 @@
 callable from Python; `main` is the Hydra wrapper.
 """
 
+import dataclasses
 import gc
 import os
 import signal
@@ -39,6 +40,7 @@ from model.config import check_integer, check_integer_fields
 from model.decode_step import CompiledDecodeStep
 from model.device import Precision, check_device, memory_bytes, pick_device
 from model.generation import left_pad, load_model, stream, timed_stream
+from model.gpt import GPT
 from model.kv_cache import storage_dtype
 from model.recorder import MAX_WEIGHTS, DecodeRecorder, weights_to_record
 from model.sampling import Sampling
@@ -53,8 +55,8 @@ MAX_NEW_TOKENS = 1_000_000
 class GenerateConfig:
     """configs/generate.yaml: what to sample from, how, and what to print."""
 
-    ckpt: str | None = None        # a run dir (its best.pt, else ckpt.pt) or a checkpoint file;
-                                   # None: the latest run in outputs/
+    ckpt: str | None = None        # a run dir (its best.pt, else ckpt.pt), a checkpoint file, or a
+                                   # Hugging Face model folder; None: the latest run in outputs/
     prompt: str | None = None      # None: a newline (unless prompt_file gives the prompts)
     prompt_file: str | None = None  # one prompt per line, all in one batch
     num_samples: int = 1           # per prompt
@@ -341,7 +343,7 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
     for kv_cache in (True, False):
         prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype, pad)
         rows.append((kv_cache, B * T / prefill_s, B * (n - 1) / decode_s, prefill_s + decode_s))
-    cache = model.new_kv_cache(1, dtype=kv_dtype)
+    cache = meta_cache(c, model.wte.weight.dtype, kv_dtype)
     print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd}, "
           f"{model.wte.weight.dtype}, {device} | batch {B} x prompt {T} tokens"
           f"{' (left-padded)' if pad is not None else ''}, {n} new tokens per row"
@@ -361,6 +363,49 @@ def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dt
           f"({c.kv_cache_formula()} x {cache.dtype.itemsize} bytes{scales}), {cache.nbytes / 2**20:.2f} MB "
           f"a sequence ({cache.max_len} positions{held}), "
           f"{B * cache.nbytes / 2**20:.2f} MB for the batch", file=out)
+    print_kv_what_ifs(c, model.wte.weight.dtype, cache.dtype, out)
+
+
+def meta_cache(config, dtype, kv_dtype=None, positions=None):
+    """The KV cache a model of `config` in `dtype` makes for one sequence of `positions` (default
+    block_size), stored in kv_dtype (None: dtype), on the meta device: its shapes, no memory (a
+    real model's cache at full context can take gigabytes)."""
+    with torch.device("meta"):
+        return GPT(config).to(dtype).new_kv_cache(1, positions, dtype=kv_dtype)
+
+
+def print_kv_what_ifs(config, dtype, kv_dtype, out) -> None:
+    """The cache's bytes per token of a sequence of block_size positions, by the formula
+    (GPTConfig.kv_cache_bytes) and as allocated (KVCache.nbytes), for this model and for what-ifs
+    of it: its K/V heads as MHA's and as MQA's, an int8 cache, and a window (or, if it has one,
+    none): why the model chose its design, as a line of numbers each."""
+    c, positions = config, config.block_size
+    rows = [("this model", c, kv_dtype)]
+    if c.mla_latent_dim is None and c.n_kv_head != c.n_head:
+        rows.append((f"as MHA ({c.n_head} K/V heads)", dataclasses.replace(c, n_kv_head=c.n_head), kv_dtype))
+    if c.mla_latent_dim is None and c.n_kv_head != 1:
+        rows.append(("as MQA (1 K/V head)", dataclasses.replace(c, n_kv_head=1), kv_dtype))
+    if kv_dtype != torch.int8:
+        rows.append(("an int8 cache", c, torch.int8))
+    if c.attn_window is None:
+        window = max(1, min(4096, positions // 4))
+        rows.append((f"a window of {window:,}", dataclasses.replace(c, attn_window=window), kv_dtype))
+    else:
+        rows.append(("no window", dataclasses.replace(c, attn_window=None, window_pattern=None, attn_sinks=0),
+                     kv_dtype))
+    print(f"KV cache per token of a {positions:,}-position sequence (block_size), by the formula and as "
+          f"allocated:\n| cache | formula | bytes/token | allocated | MB a sequence | vs this model |\n"
+          f"| --- | --- | --- | --- | --- | --- |", file=out)
+    base = None
+    for name, variant, stored in rows:
+        scale_bytes = dtype.itemsize if stored == torch.int8 else 0
+        formula = variant.kv_cache_bytes(positions, stored.itemsize, scale_bytes)
+        allocated = meta_cache(variant, dtype, stored, positions).nbytes
+        base = base or allocated
+        scales = f" + scales x {scale_bytes}" if scale_bytes else ""
+        print(f"| {name} | {variant.kv_cache_formula()} x {stored.itemsize}{scales} | "
+              f"{formula / positions:,.0f} | {allocated / positions:,.0f} | {allocated / 2**20:,.1f} | "
+              f"{allocated / base:.2f}x |", file=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

@@ -1,10 +1,12 @@
 """Tokenizers with one small interface: encode, decode, token_bytes, vocab_size, name; and
 TextStream, the text of tokens that come one at a time. GPT-2's BPE ranks ship with the package
-(data/assets/gpt2.tiktoken), so nothing is downloaded."""
+(data/assets/gpt2.tiktoken), so nothing is downloaded; a Hugging Face model folder's own
+tokenizer.json is read with the `tokenizers` library (HFTokenizer)."""
 
 import base64
 import codecs
 import hashlib
+import json
 import operator
 from pathlib import Path
 
@@ -72,6 +74,60 @@ class BPETokenizer:
         return self.encoding.decode_single_token_bytes(token_ids([token], self.vocab_size)[0])
 
 
+class HFTokenizer:
+    """A Hugging Face model folder's tokenizer.json through `tokenizers`, the library made for it:
+    its pre-tokenizer, merges and special tokens as the model was trained with them. encode adds
+    what the folder's post-processor adds (Llama 3's <|begin_of_text|>), as transformers'
+    tokenizer(text) does. A token's bytes: a byte-level BPE's (GPT-2's alphabet: Llama 3, Qwen,
+    SmolLM2), or a SentencePiece piece's (▁ a space, <0x0A> a byte); an added token's, its text."""
+
+    name = "hf"
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer  # (~0.1 s: only when a folder's tokenizer is asked for)
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {self.path.parent}: a Hugging Face model folder "
+                                    f"needs its tokenizer to sample text")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.path))
+        except Exception as e:  # noqa: BLE001  the library's own error for a file it cannot parse
+            raise ValueError(f"{self.path} is not a tokenizer.json ({type(e).__name__}: {e})") from e
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
+        self.byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return b"".join(map(self.token_bytes, token_ids(ids, self.vocab_size))).decode("utf-8", "replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        token = token_ids([token], self.vocab_size)[0]
+        piece = self.tokenizer.id_to_token(token) or ""
+        if token in self.added:
+            return self.added[token].encode()
+        if self.byte_level and all(c in BYTE_LEVEL for c in piece):
+            return bytes(BYTE_LEVEL[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte of its own
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("▁", " ").encode()
+
+
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, each character to its byte: the bytes that print as themselves
+    are those characters; every other byte, in order, is chr(256), chr(257), ... (so that a BPE
+    vocabulary is printable text)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+BYTE_LEVEL = byte_level_alphabet()
+
+
 def token_ids(ids, vocab_size: int) -> list[int]:
     """ids as a list of ints, each an id of a vocabulary of vocab_size, else a ValueError: a negative
     id would read the vocabulary from its end (a list's index), one past it would be tiktoken's
@@ -122,7 +178,10 @@ def gpt2_encoding(bpe_path=GPT2_BPE_PATH) -> tiktoken.Encoding:
 
 
 def tokenizer_from_meta(meta: dict):
-    """The tokenizer that prepared a dataset (or trained a checkpoint), from its meta (checked)."""
+    """The tokenizer that prepared a dataset (or trained a checkpoint, or came with a Hugging Face
+    model folder), from its meta (checked)."""
+    if isinstance(meta, dict) and meta.get("tokenizer") == "hf":
+        return HFTokenizer(meta.get("path", ""))
     meta_vocab_size(meta)
     return BPETokenizer() if meta["tokenizer"] == "bpe" else CharTokenizer(meta["vocab"])
 
@@ -133,6 +192,8 @@ def meta_vocab_size(meta) -> int:
     kind = meta.get("tokenizer") if isinstance(meta, dict) else None
     if kind == "bpe":
         return GPT2_VOCAB_SIZE
+    if kind == "hf":
+        return HFTokenizer(meta.get("path", "")).vocab_size
     if kind != "char":
         raise ValueError(f"its data meta names no tokenizer (tokenizer: {kind!r}, not char or bpe)")
     vocab = meta.get("vocab")
@@ -153,12 +214,15 @@ def start_ids(tokenizer) -> list[int]:
 def same_tokenizer(meta: dict, other: dict) -> bool:
     """Whether two metas (a prepared dataset's, a checkpoint's) name the same tokenizer, so that
     every id means the same text: both GPT-2's BPE, or char with the same characters in order."""
-    return meta["tokenizer"] == other["tokenizer"] and (meta["tokenizer"] != "char" or
-                                                        meta["vocab"] == other["vocab"])
+    same_kind = meta["tokenizer"] == other["tokenizer"]
+    if same_kind and meta["tokenizer"] in ("char", "hf"):
+        key = "vocab" if meta["tokenizer"] == "char" else "path"
+        return meta[key] == other[key]
+    return same_kind
 
 
 def describe_tokenizer(meta: dict) -> str:
     """'the char tokenizer of 65 characters', 'GPT-2's BPE'."""
     if meta["tokenizer"] == "char":
         return f"the char tokenizer of {len(meta['vocab'])} characters"
-    return "GPT-2's BPE"
+    return f"the tokenizer {meta['path']}" if meta["tokenizer"] == "hf" else "GPT-2's BPE"

@@ -17,6 +17,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
+from model.pretrained import read_config
 
 RUN_FILES = ("ckpt.pt", "best.pt")  # a run dir's checkpoints: the last state, and the best val loss
 GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
@@ -226,11 +227,25 @@ def load_weights(model, weights: dict) -> None:
 
 
 def init_from(path) -> Checkpoint:
-    """The checkpoint to start training from (the `init_from` option): a Hugging Face GPT-2
-    directory (its weights, config and GPT-2's tokenizer), or one of our checkpoints (a run dir's
-    best.pt, a converted one, ...)."""
-    path = Path(path).expanduser()
-    if (path / "config.json").is_file():
-        model = GPT.from_pretrained(path)
-        return Checkpoint(model=model.state_dict(), model_config=model.config, data_meta=GPT2_DATA_META)
+    """The checkpoint to start training from (the `init_from` option): a Hugging Face model folder
+    (pretrained_checkpoint), or one of our checkpoints (a run dir's best.pt, a converted one, ...)."""
+    if is_pretrained(path):
+        return pretrained_checkpoint(GPT.from_pretrained(Path(path).expanduser()), path)
     return load(path, prefer="best.pt")
+
+
+def is_pretrained(path) -> bool:
+    """Whether `path` is a Hugging Face model folder (it holds a config.json), not a run of ours."""
+    return (Path(path).expanduser() / "config.json").is_file()
+
+
+def pretrained_checkpoint(model: GPT, path) -> Checkpoint:
+    """What the Hugging Face folder `path` that `model` was read from (GPT.from_pretrained) stands
+    for: its weights and config, and its tokenizer: GPT-2's BPE (shipped: the same ranks) for a
+    GPT-2, else the folder's own tokenizer.json (data.tokenizer.HFTokenizer)."""
+    path = Path(path).expanduser()
+    if read_config(path).get("model_type", "gpt2") == "gpt2":
+        meta = GPT2_DATA_META
+    else:
+        meta = {"tokenizer": "hf", "path": str(path / "tokenizer.json"), "vocab": None, "vocab_size": None}
+    return Checkpoint(model=model.state_dict(), model_config=model.config, data_meta=meta)

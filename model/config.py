@@ -239,6 +239,20 @@ class GPTConfig:
         full = self.kv_layers - windowed
         return f"{full} layer{'s' * (full > 1)}{shared} x {per_layer} (+ {window})"
 
+    def kv_cache_bytes(self, positions: int, itemsize: int, scale_itemsize: int = 0) -> int:
+        """The bytes one sequence of `positions` takes in the cache, by kv_cache_formula: each cached
+        layer's cells times the numbers a cell holds, `itemsize` bytes each, and where the cache is
+        int8, one scale of `scale_itemsize` bytes per cell and K/V head for K and for V (MLA: one
+        for its latent). A windowed layer's cells are its ring's (window + sinks) where positions
+        outrun it or every layer has a window it reaches; else every position has a cell."""
+        mla = self.mla_latent_dim is not None
+        numbers = self.mla_latent_dim + self.mla_rope_dim if mla else 2 * self.n_kv_head * self.head_dim
+        scales = 1 if mla else 2 * self.n_kv_head
+        endless = all(w is not None and positions >= w for w in self.kv_windows)
+        cells = [self.attn_sinks + w if w is not None and (endless or positions >= self.attn_sinks + w)
+                 else positions for w in self.kv_windows]
+        return sum(cells) * (numbers * itemsize + scales * scale_itemsize)
+
 
 def check_int(config: GPTConfig, name: str, minimum: int) -> None:
     """config.<name> is an integer (not a bool) >= minimum, or a ValueError naming the field."""

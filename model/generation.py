@@ -15,10 +15,11 @@ block_size // 2); each row of a batch is generated exactly as its prompt would b
 import dataclasses
 import itertools
 import math
+from pathlib import Path
 
 import torch
 
-from model.checkpoint import load, load_weights
+from model.checkpoint import is_pretrained, load, load_weights, pretrained_checkpoint
 from model.config import check_integer
 from model.decode_step import CompiledDecodeStep, CudnnAttentionOff
 from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device, synchronized_clock
@@ -30,9 +31,13 @@ from model.sampling import Sampling, sample_next
 
 
 def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
-    """A checkpoint's GPT ready to decode, and the checkpoint: `path` is a checkpoint file or a
-    run dir (its best.pt, else ckpt.pt); the model is on `device`, in eval mode, in the precision
-    `for_decoding` gives it."""
+    """A checkpoint's GPT ready to decode, and the checkpoint: `path` is a checkpoint file, a run
+    dir (its best.pt, else ckpt.pt) or a Hugging Face model folder (GPT.from_pretrained: the
+    checkpoint holds the decoding model's weights); the model is on `device`, in eval mode, in the
+    precision `for_decoding` gives it."""
+    if is_pretrained(path):
+        model = for_decoding(GPT.from_pretrained(Path(path).expanduser()), device, precision)
+        return model, pretrained_checkpoint(model, path)
     ckpt = load(path, prefer="best.pt")
     model = GPT(dataclasses.replace(ckpt.model_config, dropout=0.0))  # decoding drops nothing out
     load_weights(model, ckpt.model)

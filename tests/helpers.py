@@ -3,6 +3,7 @@ config, the ways to run a command line (a real process, awaited now or later, or
 the metrics of a run dir, and a disk that fills up."""
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -116,6 +117,60 @@ def hf_gpt2(path, **overrides):
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**(kw | overrides))).eval()
     model.save_pretrained(path)
     return model
+
+
+# A small random model of each Llama family that exercises every field model.pretrained reads: GQA,
+# head_dim 16 where hidden_size / heads is 12, a RoPE base other than 10,000, Llama 3's scaling
+# (wavelengths kept, blended and stretched at these sizes), Qwen3's QK-norm and layer types, Mistral's
+# window, Qwen2's q/k/v biases and a tied head.
+HF_FAMILIES = {
+    "llama": {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 48}},
+    "qwen3": {"rope_theta": 1e6, "use_sliding_window": True, "sliding_window": 6,
+              "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+    "mistral": {"rope_theta": 1e6, "sliding_window": 6},
+    "qwen2": {"rope_theta": 1e6, "tie_word_embeddings": True},
+}
+HF_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+
+def hf_folder(path, family: str, **overrides):
+    """A small random model of `family` written to `path` by transformers' save_pretrained, with its
+    weights moved away from their initial values (norms off 1, biases off 0, logits of order 1) and
+    a tokenizer.json (a byte-level BPE of 300 tokens learned from TinyShakespeare). Returns the
+    transformers model."""
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=96,
+              rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    name = HF_CLASSES[family]
+    config = getattr(transformers, f"{name}Config")(**(kw | HF_FAMILIES[family] | overrides))
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    Path(path, "tokenizer.json").write_text(shakespeare_tokenizer())
+    return model
+
+
+@functools.cache
+def shakespeare_tokenizer() -> str:
+    """tokenizer.json of a byte-level BPE (GPT-2's alphabet, as Llama 3's and Qwen's) of 300 tokens,
+    <|endoftext|> among them, learned from the first 200,000 characters of TinyShakespeare."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[:200_000]
+    tokenizer.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tokenizer.to_str()
 
 
 def compose(*overrides: str, config_name: str = "train"):
