@@ -403,8 +403,12 @@ def print_kv_what_ifs(config, dtype, kv_dtype, out) -> None:
         allocated = meta_cache(variant, dtype, stored, positions).nbytes
         base = base or allocated
         scales = f" + scales x {scale_bytes}" if scale_bytes else ""
-        print(f"| {name} | {variant.kv_cache_formula()} x {stored.itemsize}{scales} | "
-              f"{formula / positions:,.0f} | {allocated / positions:,.0f} | {allocated / 2**20:,.1f} | "
+        formula_text = variant.kv_cache_formula()
+        if variant.attn_window is not None and "windowed" not in formula_text:  # every layer windowed
+            sinks = f" + {variant.attn_sinks} sink" if variant.attn_sinks else ""
+            formula_text += f", the last {variant.attn_window}{sinks} positions"
+        print(f"| {name} | {formula_text} x {stored.itemsize}{scales} | "
+              f"{formula / positions:,.0f} | {allocated / positions:,.0f} | {allocated / 2**20:,.2f} | "
               f"{allocated / base:.2f}x |", file=out)
 
 

@@ -143,7 +143,7 @@ def hf_folder(path, family: str, **overrides):
     import transformers
 
     torch.manual_seed(0)
-    kw = dict(vocab_size=320, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+    kw = dict(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=96,
               rms_norm_eps=1e-5, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     name = HF_CLASSES[family]

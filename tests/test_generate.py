@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from cli.configs import quote_literal_options
-from data.tokenizer import BPETokenizer, CharTokenizer
+from data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer
 from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
 from model import checkpoint
 from tests.helpers import (
+    HF_FAMILIES,
     MULTI_BYTE,
     ROOT,
     assert_one_line_error,
     compose,
     disk_full_after,
     finish,
+    hf_folder,
     run_in_process,
     start_cli,
     temp_files,
@@ -237,3 +239,75 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(tiny_ckpt):
                                  f"temperature={t}") for t in ("1e-40", "0"))
     assert tiny.returncode == 0, tiny.stderr
     assert tiny.stdout == greedy.stdout
+
+
+# Hugging Face model folders of the Llama family (model/pretrained.py), sampled with their own tokenizer
+# and with every variable that would point a download somewhere set to a port nothing listens on.
+NO_NETWORK = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"} | {
+    name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
+                                            "https_proxy", "all_proxy")}
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory):
+    """{family: (folder, transformers' model)}, written once for the module."""
+    root = tmp_path_factory.mktemp("hf")
+    return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_a_hugging_face_folder_samples_its_tokenizers_text_offline(hf_folders, family):
+    """The text is transformers' greedy tokens for the prompt as the folder's tokenizer encodes it,
+    decoded by it."""
+    path, hf = hf_folders[family]
+    tokenizer = HFTokenizer(path / "tokenizer.json")
+    prompt = tokenizer.encode("ROMEO: thou art")
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    result = run_in_process("generate.py", f"ckpt={path}", "prompt=ROMEO: thou art", "max_new_tokens=20",
+                            "temperature=0", env=NO_NETWORK)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ROMEO: thou art" + tokenizer.decode(expected[0, len(prompt):].tolist()) + "\n"
+
+
+@pytest.mark.parametrize("family", HF_FAMILIES)
+def test_a_hugging_face_folder_benchmark_prints_its_cache_and_its_what_ifs(hf_folders, family, tmp_path):
+    """benchmark=true: the KV bytes per token by the formula equal those allocated, for the model and
+    for its GQA as MHA and as MQA, an int8 cache and a window (or none); inspect= writes its page."""
+    path, _ = hf_folders[family]
+    result = run_in_process("generate.py", f"ckpt={path}", "benchmark=true", "max_new_tokens=4",
+                            "prompt=ROMEO:", env=NO_NETWORK)
+    assert result.returncode == 0, result.stderr
+    table = result.stdout.split("KV cache per token of a 96-position sequence")[1].splitlines()[3:]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table}
+    window = "no window" if family in ("qwen3", "mistral") else "a window of 24"
+    assert set(rows) == {"this model", "as MHA (4 K/V heads)", "as MQA (1 K/V head)", "an int8 cache", window}
+    assert all(formula == allocated for _, formula, allocated, *_ in rows.values())
+    per_token = {name: float(row[1].replace(",", "")) for name, row in rows.items()}
+    if family in ("llama", "qwen2"):  # 3 layers x 2 (K, V) x 16 wide x 4 bytes, per K/V head
+        assert [per_token[n] for n in ("this model", "as MHA (4 K/V heads)", "as MQA (1 K/V head)")] == \
+            [3 * 2 * 2 * 16 * 4, 3 * 2 * 4 * 16 * 4, 3 * 2 * 1 * 16 * 4]
+        assert per_token["an int8 cache"] == per_token["this model"] / 4 + 3 * 2 * 2 * 4  # + a scale a head
+    else:  # windowed layers keep 6 positions of the 96: an average
+        assert per_token["no window"] > per_token["this model"] > per_token["an int8 cache"]
+    page = tmp_path / "page.html"
+    result = run_in_process("generate.py", f"ckpt={path}", f"inspect={page}", "max_new_tokens=4",
+                            "prompt=ROMEO:", env=NO_NETWORK)
+    assert result.returncode == 0, result.stderr
+    assert "inspect page saved" in result.stdout and page.stat().st_size > 10_000
+
+
+def test_a_hugging_face_folder_samples_in_a_process_of_its_own_offline(hf_folders):
+    path, _ = hf_folders["qwen3"]
+    result = finish(start_cli("generate.py", f"ckpt={path}", "prompt=ROMEO:", "max_new_tokens=8",
+                              "kv_dtype=int8", "dtype=bfloat16", env=NO_NETWORK))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ROMEO:") and len(result.stdout) > len("ROMEO:\n")
+
+
+def test_a_hugging_face_folder_without_a_tokenizer_is_one_line(hf_folders, tmp_path):
+    path, _ = hf_folders["mistral"]
+    shutil.copytree(path, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    assert_one_line_error(generate_cli(f"ckpt={tmp_path / 'm'}"), "no tokenizer.json in")
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "mixtral"}')
+    assert_one_line_error(generate_cli(f"ckpt={tmp_path / 'm'}"), "model_type='mixtral' is not supported")
