@@ -180,7 +180,7 @@ def check_batch_fits(model, rows: int, longest: int, cfg: GenerateConfig) -> Non
     num_samples is refused before anything is allocated, not by the allocator or the OOM killer."""
     c, device = model.config, model.wte.weight.device
     max_len = min(c.block_size, longest + cfg.max_new_tokens)
-    cache = model.new_kv_cache(1, max_len, cfg.cache_dtype)
+    cache = meta_cache(c, model.wte.weight.dtype, cfg.cache_dtype, max_len)
     need = rows * (cache.nbytes * cfg.kv_cache + 4 * c.block_size * c.n_embd)
     if need > (have := memory_bytes(device)):
         raise ValueError(f"num_samples={cfg.num_samples}: {rows:,} rows take at least "

@@ -79,8 +79,8 @@ class GPTConfig:
                     f"GPTConfig.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
                 )
         if self.pos_emb == "rope" and self.mla_latent_dim is None and self.head_dim % 2:
-            raise ValueError(f"GPTConfig.head_dim={self.head_dim} must be even with pos_emb='rope' (RoPE "
-                             f"rotates pairs of numbers)")
+            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even GPTConfig.head_dim (RoPE rotates "
+                             f"pairs of numbers), got {self.head_dim}")
         self.check_rope()
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hf_gpt2
+from tests.helpers import ROOT, clean_env, hf_folder, hf_gpt2
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train.eval_interval=1",
@@ -45,9 +45,13 @@ def bash_commands(path) -> list[str]:
 
 
 def tiny(command: str, run: str, hf_dir: str) -> str:
-    """The command with the placeholders filled in and tiny settings appended."""
+    """The command with the placeholders filled in and tiny settings appended (hf_dir: the folder
+    holding a tiny GPT-2, Llama and Qwen3, for path/to/gpt2, SmolLM2-135M and Qwen3-0.6B)."""
+    folders = {"path/to/gpt2": "gpt2", "path/to/SmolLM2-135M": "llama", "path/to/Qwen3-0.6B": "qwen3"}
     command = (command.replace("outputs/2026-11-21/10-00-00", run).replace("ckpt=...", f"ckpt={run}")
-               .replace("outputs/mha_run", run).replace("path/to/gpt2", hf_dir))
+               .replace("outputs/mha_run", run))
+    for placeholder, name in folders.items():
+        command = command.replace(placeholder, f"{hf_dir}/{name}")
     script = re.search(r"(train\.py|generate\.py|benchmarks/attention_study\.py)", command)
     appended = APPENDED[script.group(1)] if script else []
     if "train.resume=" in command:  # a resumed run keeps its model: model=tiny would change it
@@ -89,8 +93,10 @@ def run_every_command(tmp_path):
     """The README's commands in order, then each docs page's in order, two pages at a time: set up
     here (the GPT-2 directory, the environment), in the calling thread, and returned as the function
     that runs them (conftest runs it in a thread of its own, beside the suite)."""
-    hf_dir = str(tmp_path / "hf_gpt2")
-    hf_gpt2(hf_dir, vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    hf_dir = str(tmp_path / "hf")
+    hf_gpt2(f"{hf_dir}/gpt2", vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
+    for family in ("llama", "qwen3"):
+        hf_folder(f"{hf_dir}/{family}", family)
     env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
                     OMP_NUM_THREADS="1")
 
