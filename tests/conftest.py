@@ -72,6 +72,17 @@ def bpe_data(data_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory) -> dict:
+    """{family: (folder, transformers' model)}: a small random model of each Llama family with its
+    tokenizer.json, as transformers writes it (tests.helpers.hf_folder), written once."""
+    pytest.importorskip("transformers")
+    from tests.helpers import HF_FAMILIES, hf_folder
+
+    root = tmp_path_factory.mktemp("hf")
+    return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def tiny_run(char_data) -> list[str]:
     """Overrides for a seconds-long training run of the tiny model on char TinyShakespeare. Without
     the loss over the whole val split at the end (a second a run): the tests that need it set

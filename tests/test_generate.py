@@ -22,7 +22,6 @@ from tests.helpers import (
     compose,
     disk_full_after,
     finish,
-    hf_folder,
     run_in_process,
     start_cli,
     temp_files,
@@ -246,13 +245,6 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(tiny_ckpt):
 NO_NETWORK = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"} | {
     name: "http://127.0.0.1:9" for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
                                             "https_proxy", "all_proxy")}
-
-
-@pytest.fixture(scope="module")
-def hf_folders(tmp_path_factory):
-    """{family: (folder, transformers' model)}, written once for the module."""
-    root = tmp_path_factory.mktemp("hf")
-    return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
 
 
 @pytest.mark.parametrize("family", HF_FAMILIES)

@@ -14,18 +14,11 @@ from tests.helpers import HF_FAMILIES, hf_folder
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """{family: (folder, transformers' model)}, written once for the module."""
-    root = tmp_path_factory.mktemp("hf")
-    return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
-
-
 @pytest.mark.parametrize("family", HF_FAMILIES)
-def test_each_family_matches_transformers(folders, family):
+def test_each_family_matches_transformers(hf_folders, family):
     """Logits within 1e-4 in float32 over 60 positions (past Qwen3's and Mistral's window of 6, past
     Llama 3's original 48), and transformers' greedy tokens, 80 of them, with our cache and without."""
-    path, hf = folders[family]
+    path, hf = hf_folders[family]
     ours = GPT.from_pretrained(path).eval()
     idx = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -37,8 +30,8 @@ def test_each_family_matches_transformers(folders, family):
         assert torch.equal(generate(ours, idx[:, :5], 80, temperature=0, kv_cache=kv_cache), tokens)
 
 
-def test_the_fields_real_models_set_are_read(folders):
-    c = {family: GPT.from_pretrained(path).config for family, (path, _) in folders.items()}
+def test_the_fields_real_models_set_are_read(hf_folders):
+    c = {family: GPT.from_pretrained(path).config for family, (path, _) in hf_folders.items()}
     for config in c.values():
         assert (config.n_embd, config.n_head, config.n_kv_head, config.head_dim) == (48, 4, 2, 16)
         assert (config.mlp_hidden, config.norm_eps, config.block_size) == (80, 1e-5, 96)
@@ -104,10 +97,10 @@ def test_an_unsupported_config_fails_in_one_line_naming_the_key(tmp_path, family
     assert "\n" not in str(error.value)
 
 
-def test_the_older_config_format_reads_the_same(folders, tmp_path):
+def test_the_older_config_format_reads_the_same(hf_folders, tmp_path):
     """rope_theta and rope_scaling beside the other keys (transformers 4, most folders on the Hub)
     build what rope_parameters (transformers 5) builds."""
-    path, _ = folders["llama"]
+    path, _ = hf_folders["llama"]
     config = json.loads((path / "config.json").read_text())
     rope = config.pop("rope_parameters")  # {rope_type: llama3, ..., rope_theta: 500000.0}
     legacy = config | {"rope_theta": rope["rope_theta"],
@@ -130,9 +123,9 @@ def test_qwen_layer_types_default_from_max_window_layers():
     assert llama_fields(base, "llama")["n_kv_head"] == 2
 
 
-def test_sharded_weights_load(tmp_path, folders):
+def test_sharded_weights_load(tmp_path, hf_folders):
     """A folder whose weights are split in shards (model.safetensors.index.json) loads the same."""
-    _, hf = folders["qwen2"]
+    _, hf = hf_folders["qwen2"]
     hf.save_pretrained(tmp_path, max_shard_size="50KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
