@@ -174,14 +174,22 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
     return prompts
 
 
-def check_batch_fits(model, rows: int, longest: int, cfg: GenerateConfig) -> None:
+def cache_positions(config, longest: int, max_new_tokens: int) -> int:
+    """The positions a sample's KV cache holds: the longest prompt and its new tokens (2 at least,
+    as the benchmark decodes), at most block_size, rounded up to a power of two so that a few sizes
+    of compiled step (each kept on disk) serve every length of sample. (A real model's block_size
+    runs to 131,072 positions: a cache of them all would take gigabytes, read every token on CUDA.)"""
+    need = min(config.block_size, longest + max(2, max_new_tokens))
+    return min(config.block_size, 1 << (need - 1).bit_length())
+
+
+def check_batch_fits(model, rows: int, positions: int, cfg: GenerateConfig) -> None:
     """`rows` sequences fit in the device's memory by a lower bound of what decoding them takes:
-    each row's KV cache (with kv_cache) and one residual stream of block_size positions, so that
+    each row's KV cache of `positions` (with kv_cache) and one residual stream of as many, so that
     num_samples is refused before anything is allocated, not by the allocator or the OOM killer."""
     c, device = model.config, model.wte.weight.device
-    max_len = min(c.block_size, longest + cfg.max_new_tokens)
-    cache = meta_cache(c, model.wte.weight.dtype, cfg.cache_dtype, max_len)
-    need = rows * (cache.nbytes * cfg.kv_cache + 4 * c.block_size * c.n_embd)
+    cache = meta_cache(c, model.wte.weight.dtype, cfg.cache_dtype, positions)
+    need = rows * (cache.nbytes * cfg.kv_cache + 4 * positions * c.n_embd)
     if need > (have := memory_bytes(device)):
         raise ValueError(f"num_samples={cfg.num_samples}: {rows:,} rows take at least "
                          f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of {device}: "
@@ -208,7 +216,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
                          f"{tokenizer.name} tokenizer's {tokenizer.vocab_size}: a mismatched checkpoint")
     encoded = [tokenizer.encode(p) for p in lines]
-    check_batch_fits(model, len(lines) * cfg.num_samples, max(map(len, encoded)), cfg)
+    positions = cache_positions(model.config, max(map(len, encoded)), cfg.max_new_tokens)
+    check_batch_fits(model, len(lines) * cfg.num_samples, positions, cfg)
     prompts, encoded = ([x for x in xs for _ in range(cfg.num_samples)] for xs in (lines, encoded))
     if cfg.attn_plot:
         ids = encoded[0][-model.config.block_size:]
@@ -219,7 +228,8 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
     kv_dtype = cfg.cache_dtype
     backend, t0 = cfg.step_backend(device), time.perf_counter()
-    decode_step = CompiledDecodeStep(model, len(prompts), kv_dtype, backend) if backend else None
+    decode_step = None if backend is None else CompiledDecodeStep(model, len(prompts), kv_dtype, backend,
+                                                                  max_len=positions)
     if cfg.benchmark:
         built_s = time.perf_counter() - t0
         print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, built_s)
@@ -376,7 +386,7 @@ def meta_cache(config, dtype, kv_dtype=None, positions=None):
 
 def print_kv_what_ifs(config, dtype, kv_dtype, out) -> None:
     """The cache's bytes per token of a sequence of block_size positions, by the formula
-    (GPTConfig.kv_cache_bytes) and as allocated (KVCache.nbytes), for this model and for what-ifs
+    (GPTConfig.kv_cache_bytes) and as measured (KVCache.nbytes), for this model and for what-ifs
     of it: its K/V heads as MHA's and as MQA's, an int8 cache, and a window (or, if it has one,
     none): why the model chose its design, as a line of numbers each."""
     c, positions = config, config.block_size
@@ -394,22 +404,23 @@ def print_kv_what_ifs(config, dtype, kv_dtype, out) -> None:
         rows.append(("no window", dataclasses.replace(c, attn_window=None, window_pattern=None, attn_sinks=0),
                      kv_dtype))
     print(f"KV cache per token of a {positions:,}-position sequence (block_size), by the formula and as "
-          f"allocated:\n| cache | formula | bytes/token | allocated | MB a sequence | vs this model |\n"
+          f"measured (KVCache.nbytes: K, V, scales):\n"
+          f"| cache | formula | bytes/token | measured | MiB a sequence | vs this model |\n"
           f"| --- | --- | --- | --- | --- | --- |", file=out)
     base = None
     for name, variant, stored in rows:
         scale_bytes = dtype.itemsize if stored == torch.int8 else 0
         formula = variant.kv_cache_bytes(positions, stored.itemsize, scale_bytes)
-        allocated = meta_cache(variant, dtype, stored, positions).nbytes
-        base = base or allocated
+        measured = meta_cache(variant, dtype, stored, positions).nbytes
+        base = base or measured
         scales = f" + scales x {scale_bytes}" if scale_bytes else ""
         formula_text = variant.kv_cache_formula()
         if variant.attn_window is not None and "windowed" not in formula_text:  # every layer windowed
             sinks = f" + {variant.attn_sinks} sink" if variant.attn_sinks else ""
             formula_text += f", the last {variant.attn_window}{sinks} positions"
         print(f"| {name} | {formula_text} x {stored.itemsize}{scales} | "
-              f"{formula / positions:,.0f} | {allocated / positions:,.0f} | {allocated / 2**20:,.2f} | "
-              f"{allocated / base:.2f}x |", file=out)
+              f"{formula / positions:,.0f} | {measured / positions:,.0f} | {measured / 2**20:,.2f} | "
+              f"{measured / base:.2f}x |", file=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

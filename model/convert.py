@@ -103,8 +103,7 @@ def neox_weights(model) -> tuple[dict, dict]:
     c = model.config
     required = {"pos_emb": "rope", "norm": "layernorm", "qk_norm": False, "kv_share": 1,
                 "n_kv_head": c.n_head, "attn_window": None, "mla_latent_dim": None, "attn_sink_logit": False,
-                "head_dim": c.n_embd // c.n_head, "mlp_width": 4 * c.n_embd, "qkv_bias": None,
-                "rope_scaling": None}
+                "head_dim": c.n_embd // c.n_head, "mlp_hidden": None, "qkv_bias": None, "rope_scaling": None}
     for field, value in required.items():
         if getattr(c, field) != value:
             raise ValueError(f"a GPT-NeoX needs model.{field}={'null' if value is None else value}, "

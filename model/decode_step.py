@@ -71,7 +71,7 @@ class CompiledDecodeStep:
     once when made: what that prints comes before a sample's text."""
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
-                 split_kv: bool | None = None):
+                 split_kv: bool | None = None, max_len: int | None = None):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
         if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
@@ -80,8 +80,8 @@ class CompiledDecodeStep:
         self.model, self.split_kv = model, backend == "inductor" if split_kv is None else split_kv
         # On a CPU, inductor's step of an int8 model is compiled ahead of time, its weights frozen in
         self.frozen = backend == "inductor" and device.type == "cpu" and int8_weights(model)
-        self.cache = model.new_kv_cache(batch_size, dtype=None if kv_dtype is None else
-                                        storage_dtype(kv_dtype, "kv_dtype"))
+        self.cache = model.new_kv_cache(batch_size, max_len, None if kv_dtype is None else
+                                        storage_dtype(kv_dtype, "kv_dtype"))  # max_len: block_size
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the cell written

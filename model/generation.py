@@ -26,6 +26,7 @@ from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device, synchro
 from model.gpt import GPT
 from model.kv_cache import storage_dtype
 from model.prefill import make_room, prefill
+from model.pretrained import folder_config
 from model.quantize import quantize_int8
 from model.sampling import Sampling, sample_next
 
@@ -35,8 +36,12 @@ def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
     dir (its best.pt, else ckpt.pt) or a Hugging Face model folder (GPT.from_pretrained: the
     checkpoint holds the decoding model's weights); the model is on `device`, in eval mode, in the
     precision `for_decoding` gives it."""
-    if is_pretrained(path):
-        model = for_decoding(GPT.from_pretrained(Path(path).expanduser()), device, precision)
+    if is_pretrained(path):  # read in the dtype it decodes in: a billion parameters are not held twice
+        device = pick_device(device) if isinstance(device, str) else device
+        with torch.device("meta"):
+            n_params = GPT(folder_config(path)[1]).num_params()
+        dtype = DTYPES[precision.on(device, n_params)[0]]
+        model = for_decoding(GPT.from_pretrained(Path(path).expanduser(), dtype=dtype), device, precision)
         return model, pretrained_checkpoint(model, path)
     ckpt = load(path, prefer="best.pt")
     model = GPT(dataclasses.replace(ckpt.model_config, dropout=0.0))  # decoding drops nothing out

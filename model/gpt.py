@@ -90,14 +90,15 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @classmethod
-    def from_pretrained(cls, path, dropout: float = 0.0) -> "GPT":
+    def from_pretrained(cls, path, dropout: float = 0.0, dtype=torch.float32) -> "GPT":
         """The model of a local Hugging Face folder (config.json and safetensors, as `save_pretrained`
         writes them) of GPT-2 or the Llama family: model.pretrained reads it, no `transformers` needed.
-        Built on the meta device and then given memory, so no weight is initialised only to be
-        overwritten (seconds at a billion parameters); every weight must come from the folder."""
+        Built on the meta device and then given memory in `dtype`, so no weight is initialised only to
+        be overwritten (seconds at a billion parameters) nor held twice; every weight must come from
+        the folder."""
         family, config, state = read_folder(path, dropout)
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config).to(dtype)
         model.to_empty(device="cpu")
         if config.tie_embeddings:
             model.lm_head.weight = model.wte.weight  # (to_empty gives each module a tensor of its own)

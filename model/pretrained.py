@@ -47,6 +47,15 @@ def read_folder(path, dropout: float = 0.0) -> tuple[str, GPTConfig, dict]:
     """(model_type, config, state dict) of the Hugging Face folder `path`: a ValueError naming the
     file and what is wrong where it is not one we read."""
     path = Path(path).expanduser()
+    family, config = folder_config(path, dropout)
+    weights = read_weights(path)
+    state = gpt2_state(weights) if family == "gpt2" else llama_state(weights, config)
+    return family, config, state
+
+
+def folder_config(path, dropout: float = 0.0) -> tuple[str, GPTConfig]:
+    """(model_type, config) of the Hugging Face folder `path`, read from its config.json alone."""
+    path = Path(path).expanduser()
     hf = read_config(path)
     family = hf.get("model_type", "gpt2")  # (GPT-2 configs of old name none)
     if family not in FAMILIES:
@@ -58,12 +67,9 @@ def read_folder(path, dropout: float = 0.0) -> tuple[str, GPTConfig, dict]:
         raise ValueError(f"{path / 'config.json'} is not a {FAMILIES[family]} config "
                          f"({type(e).__name__}: {e})") from e
     try:
-        config = GPTConfig(**fields, dropout=dropout)
+        return family, GPTConfig(**fields, dropout=dropout)
     except ValueError as e:
         raise ValueError(f"{path / 'config.json'}: {e}") from e
-    weights = read_weights(path)
-    state = gpt2_state(weights) if family == "gpt2" else llama_state(weights, config)
-    return family, config, state
 
 
 def read_config(path: Path) -> dict:
@@ -161,10 +167,12 @@ def llama_rope(hf: dict, name: str) -> dict:
     rope_scaling (before): the default RoPE, or Llama 3's scaling."""
     key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise TypeError(f"{key} is a {type(rope).__name__}, not a dict")
     if set(rope) & {"full_attention", "sliding_attention"}:
         raise ValueError(f"unsupported {name} config: {key} per layer type (kvgpt builds one RoPE)")
     kind = rope.get("rope_type", rope.get("type", "default"))
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
     if kind not in ("default", "llama3") or partial != 1.0:
         what = f"rope_type={kind!r}" if partial == 1.0 else f"partial_rotary_factor={partial!r}"
         raise ValueError(f"unsupported {name} config: {key} {what} (kvgpt builds RoPE over whole heads, "
@@ -179,16 +187,19 @@ def llama_rope(hf: dict, name: str) -> dict:
 def llama_windows(hf: dict, family: str) -> tuple[int | None, str | None]:
     """(attn_window, window_pattern): Mistral's sliding_window in every layer; Qwen's where
     use_sliding_window, in the layers its layer_types call sliding (by default those from
-    max_window_layers on)."""
-    if family == "mistral":
-        return hf.get("sliding_window"), None
-    qwen = family in ("qwen2", "qwen3")
-    window = hf.get("sliding_window") if qwen and hf.get("use_sliding_window") else None
-    if window is None:
+    max_window_layers on). A window as long as the context is none."""
+    slides = family == "mistral" or family in ("qwen2", "qwen3") and hf.get("use_sliding_window")
+    window = hf.get("sliding_window") if slides else None
+    if window is None or window >= hf["max_position_embeddings"]:  # (as long as the context: no window)
         return None, None
+    if family == "mistral":
+        return window, None
     n_layer, first = hf["num_hidden_layers"], hf.get("max_window_layers", 28)
     types = hf.get("layer_types") or ["sliding_attention" if i >= first else "full_attention"
                                       for i in range(n_layer)]
+    if len(types) != n_layer or set(types) - {"sliding_attention", "full_attention"}:
+        raise ValueError(f"unsupported {FAMILIES[family]} config: layer_types={types} (kvgpt builds one of "
+                         f"sliding_attention or full_attention for each of the {n_layer} layers)")
     pattern = "".join("S" if t == "sliding_attention" else "L" for t in types)
     if "S" not in pattern:
         return None, None

@@ -5,6 +5,7 @@ the metrics of a run dir, and a disk that fills up."""
 import contextlib
 import functools
 import io
+import json
 import logging
 import os
 import resource
@@ -120,17 +121,18 @@ def hf_gpt2(path, **overrides):
 
 
 # A small random model of each Llama family that exercises every field model.pretrained reads: GQA,
-# head_dim 16 where hidden_size / heads is 12, a RoPE base other than 10,000, Llama 3's scaling
-# (wavelengths kept, blended and stretched at these sizes), Qwen3's QK-norm and layer types, Mistral's
-# window, Qwen2's q/k/v biases and a tied head.
+# head_dim 16 where hidden_size / heads is 12 (Mistral's config.json has none: 12), a RoPE base
+# other than 10,000, Llama 3's scaling (wavelengths kept, blended and stretched at these sizes) and
+# its tokenizer's BOS, Qwen3's QK-norm and layer types, Mistral's window, Qwen2's q/k/v biases, its
+# tied head and more token ids than its tokenizer has (as Qwen's 151,936 for 151,669).
 HF_FAMILIES = {
     "llama": {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 48}},
     "qwen3": {"rope_theta": 1e6, "use_sliding_window": True, "sliding_window": 6,
               "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
-    "mistral": {"rope_theta": 1e6, "sliding_window": 6},
-    "qwen2": {"rope_theta": 1e6, "tie_word_embeddings": True},
+    "mistral": {"rope_theta": 1e6, "sliding_window": 6, "head_dim": None},
+    "qwen2": {"rope_theta": 1e6, "tie_word_embeddings": True, "vocab_size": 320},
 }
 HF_CLASSES = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen2": "Qwen2"}
 
@@ -153,15 +155,19 @@ def hf_folder(path, family: str, **overrides):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(path)
-    Path(path, "tokenizer.json").write_text(shakespeare_tokenizer())
+    saved = json.loads(Path(path, "config.json").read_text())
+    left_out = [key for key, value in HF_FAMILIES[family].items() if value is None]
+    Path(path, "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k not in left_out}))
+    Path(path, "tokenizer.json").write_text(shakespeare_tokenizer(bos=family == "llama"))
     return model
 
 
 @functools.cache
-def shakespeare_tokenizer() -> str:
+def shakespeare_tokenizer(bos: bool = False) -> str:
     """tokenizer.json of a byte-level BPE (GPT-2's alphabet, as Llama 3's and Qwen's) of 300 tokens,
-    <|endoftext|> among them, learned from the first 200,000 characters of TinyShakespeare."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    <|endoftext|> among them, learned from the first 200,000 characters of TinyShakespeare; with
+    `bos`, <|endoftext|> before every text it encodes (as Llama 3's <|begin_of_text|>)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -170,6 +176,10 @@ def shakespeare_tokenizer() -> str:
     tokenizer.train_from_iterator([text], trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if bos:
+        eot = tokenizer.token_to_id("<|endoftext|>")
+        tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                 special_tokens=[("<|endoftext|>", eot)])
     return tokenizer.to_str()
 
 

@@ -12,7 +12,7 @@ import torch
 
 from cli.configs import quote_literal_options
 from data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer
-from generate import LITERAL_OPTIONS, GenerateConfig, print_samples, sample
+from generate import LITERAL_OPTIONS, GenerateConfig, cache_positions, print_samples, sample
 from model import checkpoint
 from tests.helpers import (
     HF_FAMILIES,
@@ -25,6 +25,7 @@ from tests.helpers import (
     run_in_process,
     start_cli,
     temp_files,
+    tiny_config,
     tiny_model,
 )
 
@@ -249,12 +250,16 @@ NO_NETWORK = {"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT":
 
 @pytest.mark.parametrize("family", HF_FAMILIES)
 def test_a_hugging_face_folder_samples_its_tokenizers_text_offline(hf_folders, family):
-    """The text is transformers' greedy tokens for the prompt as the folder's tokenizer encodes it,
-    decoded by it."""
+    """The text is transformers' greedy tokens for the prompt as the folder's tokenizer encodes it
+    (Llama's with its BOS), decoded by it; a model with more ids than its tokenizer (Qwen2's) draws
+    only the tokenizer's."""
     path, hf = hf_folders[family]
     tokenizer = HFTokenizer(path / "tokenizer.json")
     prompt = tokenizer.encode("ROMEO: thou art")
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert (prompt[0] == tokenizer.tokenizer.token_to_id("<|endoftext|>")) == (family == "llama")
+    beyond = list(range(tokenizer.vocab_size, hf.config.vocab_size)) or None  # ids no text has
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                           suppress_tokens=beyond)
     result = run_in_process("generate.py", f"ckpt={path}", "prompt=ROMEO: thou art", "max_new_tokens=20",
                             "temperature=0", env=NO_NETWORK)
     assert result.returncode == 0, result.stderr
@@ -303,3 +308,11 @@ def test_a_hugging_face_folder_without_a_tokenizer_is_one_line(hf_folders, tmp_p
     assert_one_line_error(generate_cli(f"ckpt={tmp_path / 'm'}"), "no tokenizer.json in")
     (tmp_path / "m" / "config.json").write_text('{"model_type": "mixtral"}')
     assert_one_line_error(generate_cli(f"ckpt={tmp_path / 'm'}"), "model_type='mixtral' is not supported")
+
+
+def test_a_samples_cache_holds_its_positions_rounded_up_to_a_power_of_two():
+    """Not a real model's whole context (Qwen3's 40,960 positions: 4.4 GiB in bf16, read every token
+    by the CUDA step), and only a few sizes of compiled step (each kept on disk) for every length."""
+    config = tiny_config(block_size=96)
+    sizes = [cache_positions(config, longest, new) for longest, new in ((7, 20), (1, 0), (7, 200), (30, 34))]
+    assert sizes == [32, 4, 96, 64]

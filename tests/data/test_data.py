@@ -12,7 +12,14 @@ import torch
 
 from data.batches import Batches
 from data.prepare import TINYSHAKESPEARE_PATH, DataConfig, corpus_files, load_prepared, prepare
-from data.tokenizer import BPETokenizer, CharTokenizer, TextStream, gpt2_encoding, tokenizer_from_meta
+from data.tokenizer import (
+    BPETokenizer,
+    CharTokenizer,
+    HFTokenizer,
+    TextStream,
+    gpt2_encoding,
+    tokenizer_from_meta,
+)
 from tests.helpers import (
     MULTI_BYTE,
     assert_one_line_error,
@@ -20,6 +27,7 @@ from tests.helpers import (
     disk_full_after,
     finish,
     run_in_process,
+    shakespeare_tokenizer,
     start_cli,
 )
 
@@ -54,6 +62,48 @@ def test_round_trip_whole_corpus(kind, char_data, bpe_data):
     # The prepared arrays decode back to the two halves of the text, split at 90% of characters.
     cut = int(len(text) * 0.9)
     assert tok.decode(train.tolist()) == text[:cut] and tok.decode(val.tolist()) == text[cut:]
+
+
+def sentencepiece_tokenizer() -> str:
+    """tokenizer.json as Llama 2's and Mistral's: SentencePiece pieces (▁ for a space) and a token
+    for each byte that no piece holds (byte fallback), here over ASCII letters and punctuation."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = "▁" + string.ascii_letters + string.digits + ".,:;!?'-"
+    vocab = {"<unk>": 0} | {f"<0x{b:02X}>": 1 + b for b in range(256)}
+    vocab |= {c: 257 + i for i, c in enumerate(pieces)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                           decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return tokenizer.to_str()
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_a_hugging_face_tokenizer_json_round_trips_and_streams(tmp_path, kind):
+    """A folder's tokenizer.json through `tokenizers`: a byte-level BPE (Llama 3's, Qwen's) decodes as
+    the library does; SentencePiece's byte pieces give their bytes and ▁ a space (the text's first,
+    which the library's decoder strips, kept: a sample's text continues its prompt). Streamed one
+    token at a time, the pieces join to decode; characters of several bytes come out whole."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(shakespeare_tokenizer() if kind == "byte_level" else sentencepiece_tokenizer())
+    tok = tokenizer_from_meta({"tokenizer": "hf", "path": str(path)})
+    ids = tok.encode(MULTI_BYTE)
+    assert tok.decode(ids) == (MULTI_BYTE if kind == "byte_level" else " " + MULTI_BYTE)
+    assert tok.decode(ids).lstrip(" ") == tok.tokenizer.decode(ids).lstrip(" ")
+    stream = TextStream(tok)
+    assert "".join(stream.add(t) for t in ids) + stream.end() == tok.decode(ids)
+    assert tok.vocab_size == (300 if kind == "byte_level" else 1 + 256 + 1 + 26 * 2 + 10 + 8)
+
+
+def test_a_missing_or_broken_tokenizer_json_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=f"no tokenizer.json in {tmp_path}"):
+        HFTokenizer(tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json is not a tokenizer.json"):
+        HFTokenizer(tmp_path / "tokenizer.json")
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])

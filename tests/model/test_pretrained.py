@@ -32,8 +32,9 @@ def test_each_family_matches_transformers(hf_folders, family):
 
 def test_the_fields_real_models_set_are_read(hf_folders):
     c = {family: GPT.from_pretrained(path).config for family, (path, _) in hf_folders.items()}
-    for config in c.values():
-        assert (config.n_embd, config.n_head, config.n_kv_head, config.head_dim) == (48, 4, 2, 16)
+    for family, config in c.items():
+        assert (config.n_embd, config.n_head, config.n_kv_head) == (48, 4, 2)
+        assert config.head_dim == (12 if family == "mistral" else 16)  # Mistral's: none in its config.json
         assert (config.mlp_hidden, config.norm_eps, config.block_size) == (80, 1e-5, 96)
         assert (config.pos_emb, config.norm, config.mlp, config.bias) == ("rope", "rmsnorm", "swiglu", False)
     assert c["llama"].rope_base == 500000.0 and c["llama"].rope_scaling == [8.0, 1.0, 4.0, 48.0]
@@ -85,6 +86,10 @@ DROP = "(left out)"
     ("mistral", {"hidden_act": "gelu"}, r"unsupported Mistral config: hidden_act='gelu'"),
     ("qwen2", {"quantization_config": {"quant_method": "awq"}},
      r"unsupported Qwen2 config: quantization_config="),
+    ("qwen3", {"layer_types": ["full_attention"]},
+     r"unsupported Qwen3 config: layer_types=\['full_attention'\]"),
+    ("llama", {"rope_scaling": "llama3"},
+     r"is not a Llama config \(TypeError: rope_scaling is a str, not a dict"),
     ("qwen3", {"hidden_size": DROP}, r"config.json is not a Qwen3 config \(KeyError: 'hidden_size'"),
     ("qwen3", {"hidden_size": None}, r"config.json: GPTConfig.n_embd must be an integer >= 1, got None"),
     ("llama", {"num_attention_heads": 5}, r"config.json: GPTConfig.n_kv_head=2 must divide n_head=5"),
@@ -119,6 +124,8 @@ def test_qwen_layer_types_default_from_max_window_layers():
     none_sliding = base | {"use_sliding_window": True, "max_window_layers": 4}
     assert llama_fields(none_sliding, "qwen3")["attn_window"] is None
     assert llama_fields({**base, "sliding_window": None}, "mistral")["attn_window"] is None
+    assert llama_fields(base, "mistral")["attn_window"] == 3
+    assert llama_fields(base | {"max_position_embeddings": 3}, "mistral")["attn_window"] is None  # all of it
     assert llama_fields(base, "qwen3")["head_dim"] == 128 and llama_fields(base, "qwen3")["n_kv_head"] == 32
     assert llama_fields(base, "llama")["n_kv_head"] == 2
 
