@@ -293,10 +293,10 @@ def test_a_hugging_face_folder_benchmark_prints_its_cache_and_its_what_ifs(hf_fo
     assert "inspect page saved" in result.stdout and page.stat().st_size > 10_000
 
 
-def test_a_hugging_face_folder_samples_in_a_process_of_its_own_offline(hf_folders):
+def test_a_hugging_face_folder_samples_in_bf16_with_an_int8_cache_offline(hf_folders):
     path, _ = hf_folders["qwen3"]
-    result = finish(start_cli("generate.py", f"ckpt={path}", "prompt=ROMEO:", "max_new_tokens=8",
-                              "kv_dtype=int8", "dtype=bfloat16", env=NO_NETWORK))
+    result = run_in_process("generate.py", f"ckpt={path}", "prompt=ROMEO:", "max_new_tokens=8",
+                            "kv_dtype=int8", "dtype=bfloat16", env=NO_NETWORK)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) > len("ROMEO:\n")
 
