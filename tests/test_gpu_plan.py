@@ -85,7 +85,10 @@ def run_the_plan(tmp_path):
         for command in plan_commands():
             if command.startswith("python3 benchmarks/gpu.py"):
                 argv = [*shlex.split(command.replace("$OUT", str(tmp_path)))[1:], "--smoke"]
-                result = subprocess.run([sys.executable, "-c", WITHOUT_DATASETS.format(argv=argv)], cwd=ROOT,
+                # `ulimit -f unlimited`: a full-disk test lowers this process's file-size limit for a
+                # moment, and a command started meanwhile would inherit it (as test_readme's do).
+                result = subprocess.run(["bash", "-c", 'ulimit -f unlimited; exec "$0" "$@"', sys.executable,
+                                         "-c", WITHOUT_DATASETS.format(argv=argv)], cwd=ROOT,
                                         env=env, capture_output=True, text=True, timeout=300)
                 assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
         return tmp_path / "gpu"
