@@ -144,9 +144,9 @@ def test_llama_export_names_what_a_llama_cannot_hold():
 # transformers model that has them: Qwen3's layer_types, GptOss's attention.
 
 def qwen3_weights(model) -> tuple[dict, dict]:
-    """(Qwen3Config keyword arguments, Qwen3ForCausalLM state dict): model.convert's Llama layout
-    plus each head's query and key RMSNorm (Qwen3's q_norm and k_norm, like ours before RoPE), each
-    layer's window (config.layer_window) as its layer_types, and no end-of-text token (its generate
+    """(Qwen3Config keyword arguments, Qwen3ForCausalLM state dict): model.convert's Llama layout,
+    which holds each head's query and key RMSNorm (Qwen3's q_norm and k_norm, like ours before RoPE),
+    each layer's window (config.layer_window) as its layer_types, and no end-of-text token (its generate
     then never stops early nor bans token 0)."""
     from model.convert import llama_layout
 
@@ -157,11 +157,7 @@ def qwen3_weights(model) -> tuple[dict, dict]:
                                for i in range(c.n_layer)],
                "use_sliding_window": c.attn_window is not None, "sliding_window": c.attn_window,
                "eos_token_id": None}
-    for i, block in enumerate(model.blocks):
-        layer = f"model.layers.{i}.self_attn."
-        state |= {layer + "q_norm.weight": block.attn.q_norm.weight.detach().clone(),
-                  layer + "k_norm.weight": block.attn.k_norm.weight.detach().clone()}
-    return config, state
+    return config, state  # (the layout names q_norm and k_norm too: model.pretrained.LLAMA_NAMES)
 
 
 @pytest.mark.parametrize("kv_cache", [True, False], ids=["cache", "no_cache"])
