@@ -52,9 +52,14 @@ checkpoint is evaluated on its whole val split in each precision.
    50 new tokens each, on the char model's shape (block 256), every row prefilled (before) and the
    prompt prefilled once and copied into the rows (after), interleaved rounds, medians: time to the
    first token and decode tokens/s.
+10. What RMSNorm costs (`--sections norm`): the main job's eager one-token step as it runs, against
+   the same step with one fused kernel in each nn.RMSNorm's place (LayerNorm's, of the same width and
+   weight: the cost a fused RMSNorm would have, not its numbers; PyTorch's CPU RMSNorm is ~9 small
+   operations a call), paired rounds in one process: what the norms cost a token beyond one kernel.
 """
 
 import contextlib
+import copy
 import functools
 import gc
 import os
@@ -67,6 +72,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 import model.generation as generation
 from cli.errors import ArgumentParser, exit_on_user_error, naming
@@ -77,7 +83,7 @@ from model.config import check_integer
 from model.convert import llama_weights
 from model.decode_step import CompiledDecodeStep
 from model.device import Precision
-from model.generation import for_decoding, load_model, stream, timed_stream
+from model.generation import decode_tokens_per_s, for_decoding, load_model, stream, timed_stream
 from model.kv_cache import KV_DTYPES
 from model.sampling import Sampling
 from training.evaluation import split_loss
@@ -507,6 +513,48 @@ def many_samples(samples: int = 8, prompt: int = 200, new: int = 50, rounds: int
         print(f"| {name} | {first * 1e3:,.1f} | {samples * (new - 1) / rest:,.0f} |")
 
 
+def norm_cost(model, rounds: int = 100) -> None:
+    """`--sections norm` on `model` (decoding on the CPU): paired rounds, each timing the eager step
+    (`decode_tokens_per_s` at batch 1, at the end of a full block) of the model and of
+    `fused_norm_stand_in`'s copy, one after the other, the order swapped every round; the medians and
+    the ratio's quartiles."""
+    norms = sum(isinstance(m, nn.RMSNorm) for m in model.modules())
+    if not norms:
+        print("\n### What RMSNorm costs: this model has no RMSNorm (norm=layernorm)")
+        return
+    steps = model.config.block_size // 2
+    models = {"nn.RMSNorm, as the model runs": model,
+              "one fused kernel in its place": fused_norm_stand_in(model)}
+    times = {name: [] for name in models}
+    for r in range(rounds + 1):  # the first round warms up
+        for name in list(models)[::1 if r % 2 else -1]:
+            times[name].append(1e6 / decode_tokens_per_s(models[name], 1, 2 * steps, steps=steps))
+    rms, fused = (t[1:] for t in times.values())
+    ratios = [a / b for a, b in zip(rms, fused)]
+    low, mid, high = statistics.quantiles(ratios, n=4)
+    print(f"\n### What RMSNorm costs the eager step: {norms} calls a token, batch 1, {2 * steps} cached "
+          f"positions, {torch.get_num_threads()} threads; medians of {rounds} paired rounds of {steps} "
+          f"steps\n")
+    print("| norm | µs a step |\n| --- | --- |")
+    for name, t in zip(models, (rms, fused)):
+        print(f"| {name} | {statistics.median(t):,.0f} |")
+    print(f"\nRMSNorm's step / the fused stand-in's: **{mid:.3f}x** (quartiles {low:.3f}–{high:.3f})")
+
+
+def fused_norm_stand_in(model):
+    """A copy of `model` with each nn.RMSNorm replaced by an nn.LayerNorm of the same width, eps and
+    weight (no bias): one fused CPU kernel a call, the cost a fused RMSNorm would have (LayerNorm also
+    subtracts the mean: not RMSNorm's numbers, only its price)."""
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if isinstance(child, nn.RMSNorm):
+                stand_in = nn.LayerNorm(child.normalized_shape, eps=child.eps, bias=False)
+                stand_in.weight = child.weight
+                setattr(parent, name, stand_in)
+    return model
+
+
 def main() -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
@@ -518,7 +566,8 @@ def main() -> None:
                    help="the checkout whose model --sections compile, flags, kv, variants run")
     p.add_argument("--before", type=absolute,
                    help="--sections compile, kv, flags: also this checkout, side by side")
-    sections = ["char", "main", "anatomy", "compile", "threads", "flags", "kv", "long", "variants", "samples"]
+    sections = ["char", "main", "anatomy", "compile", "threads", "flags", "kv", "long", "variants", "samples",
+                "norm"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     exit_on_user_error(run, args)
@@ -541,7 +590,7 @@ def check_args(args) -> None:
 
 def run(args) -> None:
     check_args(args)
-    needs_ckpt = {"main", "anatomy", "compile", "threads"} & set(args.sections)
+    needs_ckpt = {"main", "anatomy", "compile", "threads", "norm"} & set(args.sections)
     with naming("--ckpt", "ckpt"):  # found, and a model transformers' Llama takes, before any section runs
         ckpt = args.ckpt or (str(latest_run("outputs")) if needs_ckpt else None)
     if "main" in args.sections:
@@ -569,6 +618,8 @@ def run(args) -> None:
         variant_steps(args.code)
     if "samples" in args.sections:
         many_samples()
+    if "norm" in args.sections:
+        norm_cost(load_model(ckpt, "cpu")[0])
 
 
 if __name__ == "__main__":
