@@ -4,12 +4,7 @@ captured as a CUDA graph that also draws the next token; here too, the SDPA kern
 
 import contextlib
 import functools
-import getpass
-import hashlib
-import os
-import tempfile
 import warnings
-from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,6 +13,14 @@ from model.attention import SplitKV
 from model.config import check_integer
 from model.kv_cache import storage_dtype
 from model.sampling import Sampling, sample_next
+from model.step_package import (
+    build_package,
+    folder_errors,
+    inductor_folder,
+    load_package,
+    package_key,
+    writable_folder,
+)
 
 
 def decode_backends(device: torch.device) -> list[SDPBackend]:
@@ -99,7 +102,12 @@ class CompiledDecodeStep:
             reads = None if cells_read is None else cells_read.size(0)
             return model.logits_at(token, input_pos, cache, pad, reads)
 
-        with warnings.catch_warnings(), torch.inference_mode(), self.kernels():
+        # Inductor writes what it compiles to its cache folder: a folder it cannot write to (full,
+        # read-only, not a folder) is said in one line, before compiling, or when a write is refused.
+        compiles = backend == "inductor" and not self.frozen  # (a package's build checks its own room)
+        folder = writable_folder(inductor_folder()) if compiles else None
+        with folder_errors(folder) if compiles else contextlib.nullcontext(), warnings.catch_warnings(), \
+                torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
             warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
             # nor is autotune's own use of a deprecated storage API (timing an int8 step's products)
@@ -159,27 +167,36 @@ class CompiledDecodeStep:
     def ahead_of_time(self, logits_at):
         """run(reads) on a CPU for an int8 model: the step exported (torch.export) and compiled by
         AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
-        package (`step_package`) that a later process loads in milliseconds, and called through
-        the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. A number of
-        cells outside those it was exported for (below 2, or where export specialised) runs eagerly."""
-        path = step_package(self.model, self.cache)
+        package (model.step_package) that a later process loads in milliseconds, and called through
+        the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. Its numbers of
+        cells (the cache's and those read) are dynamic sizes: one package serves every length. A
+        number outside those it was exported for (below 2, or where export specialised) runs eagerly."""
         reads_written = self.cells_read is not None
         # a ring reads every cell: its `cells_read` input is a placeholder of fixed size
         cells_read = (self.cells_read[:max(2, self.cache.max_len - 1)] if reads_written
                       else self.token.new_empty(0))
-        tensors = self.cache.tensors
-        if not path.exists():
-            export_step(self.model, self.cache, (self.token, self.input_pos, self.pad, cells_read, tensors),
-                        reads_written, path, self.kernels)
-        # The package's own runner, not torch._inductor.aoti_load_package: that imports inductor (~3 s)
-        runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        low, high = (int(n) for n in runner.get_metadata()["reads"].split())
+        tensors, dynamic = self.cache.tensors, dynamic_cells(self.cache)
+        folder = inductor_folder() / "kvgpt"
+        key = package_key(self.model, self.cache, dynamic)
+        runner = load_package(folder, key)
+        if runner is None:
+            example = (self.token, self.input_pos, self.pad, cells_read, tensors)
+            export = functools.partial(export_step, self.model, self.cache, example, reads_written, dynamic,
+                                       kernels=self.kernels)
+            build_package(folder, key, export, self.model.num_params())
+            runner = load_package(folder, key)
+            if runner is None:
+                raise RuntimeError(f"the decode step just compiled into {folder} does not load")
+        ranges = runner.get_metadata()
+        low, high = (int(n) for n in ranges["reads"].split())
+        cells_low, cells_high = (int(n) for n in ranges["cells"].split())
         inputs = [self.token, self.input_pos, self.pad, cells_read, *tensors]
+        fits = cells_low <= self.cache.max_len <= cells_high
 
         def run(reads: int):
-            if reads_written and not low <= reads <= high:
+            if not fits or reads_written and not low <= reads <= high:
                 with self.kernels():
-                    return logits_at(*self.inputs, self.cells_read[:reads])
+                    return logits_at(*self.inputs, self.cells_read[:reads] if reads_written else None)
             if reads_written:
                 inputs[3] = self.cells_read[:reads]                        # (reads,)
             return runner.run(inputs)[0]
@@ -284,64 +301,49 @@ class ExportedStep(torch.nn.Module):
         return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
 
 
-def export_step(model, cache, example, reads_written: bool, path, kernels) -> None:
+def dynamic_cells(cache) -> list[bool]:
+    """For each of cache.tensors, whether its number of cells is the cache's length (a plain group's,
+    or the read buffer's), a size the exported step leaves dynamic; a ring's is its window's."""
+    plain = [not cache.groups[g].ring and stored.cells == cache.max_len
+             for g, _, stored in cache.stores() for _ in stored.tensors]
+    return plain + [True] * len(cache.read_buffer)
+
+
+def export_step(model, cache, example, reads_written: bool, dynamic: list[bool], path, kernels) -> None:
     """Export the step over `cache` (example: token, input_pos, pad, cells_read, the cache's tensors)
-    with the size of `cells_read` dynamic from 2 to the cache's length where it reads the written
-    cells (a cache of 1 or 2 cells: the example's size alone), and
-    compile it with AOTInductor into the package `path`, which records in its metadata the sizes
-    export kept dynamic ("low high": a view of the whole cache is contiguous, so export may stop short
-    of it)."""
+    with the number of cells read (where it reads the written cells) and the cache's length (the
+    tensors `dynamic` marks) as dynamic sizes, and compile it with AOTInductor into the package
+    `path`, whose metadata records the sizes export kept dynamic ("low high" of each: a view of the
+    whole cache is contiguous, so export may stop short of it)."""
     import torch._inductor
     from torch._inductor.exc import InductorError
 
-    dynamic = reads_written and cache.max_len > 2
-    cells_read_dims = {0: torch.export.Dim.DYNAMIC(min=2, max=cache.max_len)} if dynamic else None
+    block = model.config.block_size
+    reads_dim = {0: torch.export.Dim.DYNAMIC(min=2, max=block)} if reads_written else None
+    cells_dims = [{2: torch.export.Dim.DYNAMIC(min=2, max=block)} if d else None for d in dynamic]
     with kernels(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
-                                      dynamic_shapes=(None, None, None, cells_read_dims,
-                                                      [None] * len(example[4])))
-    inputs = {node.name: node for node in program.graph.find_nodes(op="placeholder")}
-    reads = inputs["cells_read"].meta["val"].size(0)                     # a SymInt where it stayed dynamic
-    if isinstance(reads, torch.SymInt):
-        bounds = program.range_constraints[reads.node.expr]
-        low, high = int(bounds.lower), int(min(bounds.upper, cache.max_len))
-    else:
-        low = high = reads
+                                      dynamic_shapes=(None, None, None, reads_dim, cells_dims))
+    inputs = [node.meta["val"] for node in program.graph.find_nodes(op="placeholder")]
+    reads = size_range(program, inputs[-len(example[4]) - 1].size(0))
+    cells = [size_range(program, t.size(2)) for t, d in zip(inputs[-len(example[4]):], dynamic) if d]
+    cells = (max(r[0] for r in cells), min(r[1] for r in cells)) if cells else (cache.max_len, cache.max_len)
     # Inductor's C++ int8 products, untimed (they won at every shape, and each timing costs ~3.5 s);
     # where its template takes no product (a CPU, a shape), each is timed against ATen's.
     options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
-               "aot_inductor.metadata": {"reads": f"{low} {high}"}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f"{path.stem}.{os.getpid()}.pt2")  # whole or absent: renamed when written
+               "aot_inductor.metadata": {name: f"{low} {high}" for name, (low, high) in
+                                         (("reads", reads), ("cells", cells))}}
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     except InductorError:
         options["max_autotune_gemm_backends"] = "CPP,ATEN"
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=options)
-    os.replace(partial, path)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
 
 
-def step_package(model, cache) -> Path:
-    """Where the AOTInductor package of `model`'s CPU step over `cache` is kept: in inductor's cache
-    folder (TORCHINDUCTOR_CACHE_DIR, or its default), under a digest of all the package depends on:
-    the weights (frozen in), the config, the cache's shape and dtype, the model's code, PyTorch's
-    version and the CPU's vector instructions. Any other model, cache or code gets a package of its own."""
-    digest = hashlib.blake2b(weights_digest(model).encode(), digest_size=16)
-    shape = [tuple(t.shape) for t in cache.buffers], cache.dtype, cache.compute_dtype
-    for part in (repr(model.config), repr(shape), torch.__version__, torch.backends.cpu.get_cpu_capability()):
-        digest.update(part.encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(source.read_bytes())
-    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"  # inductor's own
-    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default
-    return Path(folder) / "kvgpt" / f"decode-step-{digest.hexdigest()}.pt2"
-
-
-def weights_digest(model) -> str:
-    """A digest of every weight and buffer of `model`, bytes and names (0.06 s for 43 MB)."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
+def size_range(program, size) -> tuple[int, int]:
+    """(low, high) of a size of an exported program: a dynamic one's range, or a fixed one's value."""
+    if not isinstance(size, torch.SymInt):
+        return size, size
+    bounds = program.range_constraints[size.node.expr]
+    return int(bounds.lower), int(bounds.upper)

@@ -83,6 +83,22 @@ def hf_folders(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
+def int8_package() -> tuple:
+    """(the folder, the package, its key) of the int8 decode step of tests.helpers.int8_main_job in
+    inductor's cache folder: built once a session (or found, from an earlier one), for the tests of
+    the package and test_quantize's decode modes, which load it."""
+    from model.decode_step import CompiledDecodeStep, dynamic_cells
+    from model.step_package import inductor_folder, package_key
+    from tests.helpers import int8_main_job
+
+    step = CompiledDecodeStep(int8_main_job(), batch_size=2, kv_dtype=torch.int8, max_len=8)
+    key = package_key(step.model, step.cache, dynamic_cells(step.cache))
+    folder = inductor_folder() / "kvgpt"
+    (package,) = folder.glob(f"{key}.*.pt2")
+    return folder, package, key
+
+
+@pytest.fixture(scope="session")
 def tiny_run(char_data) -> list[str]:
     """Overrides for a seconds-long training run of the tiny model on char TinyShakespeare. Without
     the loss over the whole val split at the end (a second a run): the tests that need it set

@@ -67,6 +67,22 @@ def tiny_config(**overrides) -> GPTConfig:
                      | overrides)
 
 
+def main_job_config(**overrides) -> GPTConfig:
+    """The CPU main job's model (configs/experiment/shakespeare_char_cpu_fast.yaml, char vocab)."""
+    return GPTConfig(**{"vocab_size": 65, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
+                        "pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False} | overrides)
+
+
+def int8_main_job() -> GPT:
+    """One layer of the CPU main job's model (block 14) from seed 0, as generate.py decodes a large
+    model on a CPU: int8 weights, bfloat16 activations (test_quantize loads this one from a checkpoint)."""
+    from model.device import Precision
+    from model.generation import for_decoding
+
+    torch.manual_seed(0)
+    return for_decoding(GPT(main_job_config(n_layer=1, block_size=14)), "cpu", Precision("bfloat16", "int8"))
+
+
 def split_kv_wide(overrides: dict) -> dict:
     """tiny_model overrides with heads split-KV attention takes (model.attention.splits_kv): 16 wide,
     and MLA's absorbed keys 12 + 4."""

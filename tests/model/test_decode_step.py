@@ -13,9 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from benchmarks.gpu import SDPACalls
 from model import GPT
 from model.attention import SplitKV
-from model.decode_step import CompiledDecodeStep, decode_backends, int8_weights, step_package
+from model.decode_step import CompiledDecodeStep, decode_backends
 from model.generation import generate, load_model
-from model.quantize import quantize_int8
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, split_kv_wide, tiny_model
 
 
@@ -99,26 +98,6 @@ def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(b
         eager, compiled = (generate(model, [[1, 2], [2, 3]], 12, decode_step=d, **sampling,
                                     generator=torch.Generator().manual_seed(0)) for d in (None, step))
         assert [t.tolist() for t in compiled] == [t.tolist() for t in eager], sampling
-
-
-def test_a_frozen_step_is_kept_under_its_weights_cache_and_folder(monkeypatch, tmp_path):
-    """The CPU step of an int8 model is a package holding that model's weights (step_package): its
-    file is the same for the same weights and cache (a later process loads it), another for any
-    other weight, scale or bias, however small the difference, and for another cache's batch or
-    dtype; it lives in inductor's cache folder, wherever TORCHINDUCTOR_CACHE_DIR puts it."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    model = quantize_int8(tiny_model(0))
-    nudged = [copy.deepcopy(model) for _ in range(3)]
-    nudged[0].blocks[1].mlp.fc.weight[3, 5] += 1                       # one int8 weight
-    nudged[1].blocks[0].attn.qkv.scales[0] *= 1 + 2 ** -20             # one scale, its last bits
-    nudged[2].norm_f.bias.data[0] += 1e-7
-    paths = [step_package(m, m.new_kv_cache(1)) for m in
-             [model, quantize_int8(tiny_model(0)), quantize_int8(tiny_model(1)), *nudged]]
-    other_caches = model.new_kv_cache(2), model.new_kv_cache(1, dtype="int8")
-    paths += [step_package(model, cache) for cache in other_caches]
-    assert paths[0] == paths[1] and len(set(paths)) == 7
-    assert all(path.parent == tmp_path / "kvgpt" for path in paths)
-    assert int8_weights(model) and not int8_weights(tiny_model(0))
 
 
 def test_the_decode_backends_never_hold_cudnn():

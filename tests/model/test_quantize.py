@@ -12,23 +12,17 @@ import torch.nn as nn
 
 from model import GPT, GPTConfig, checkpoint, generate
 from model.checkpoint import Checkpoint
-from model.decode_step import CompiledDecodeStep, step_package
+from model.decode_step import CompiledDecodeStep
 from model.device import Precision
 from model.generation import load_model, stream
 from model.quantize import Int8Linear, quantize_int8
 from model.sampling import Sampling
-from tests.helpers import tiny_model
+from tests.helpers import main_job_config, tiny_model
 
 # Input widths: multiples of 16 (as is), of 8 only (the AVX512 kernel fails, AVX2's does not), and
 # neither (every CPU fails); 344 is SwiGLU's hidden width at n_embd=128.
 WIDTHS = [1, 8, 15, 16, 17, 31, 33, 40, 127, 128, 344]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative: bf16 keeps 8 bits
-
-
-def main_job_config(**overrides) -> GPTConfig:
-    """The CPU main job's model (configs/experiment/shakespeare_char_cpu_fast.yaml, char vocab)."""
-    return GPTConfig(**{"vocab_size": 65, "block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 128,
-                        "pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False} | overrides)
 
 
 def rel_error(got, want) -> float:
@@ -141,14 +135,14 @@ def logits_along(model, tokens, T, kv_cache, decode_step):
 COMPILED = {("float32", None), ("bfloat16", "int8")}
 
 
-def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path):
+def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path, int8_package, capfd):
     """dtype x quantize x compile x kv_cache, the model loaded as generate.py loads it. One layer
     of the main job's model: every layer shape of it, and two compiles (COMPILED); the compiled
     int8-weights step keeps its cache in int8 too (inductor's code for reading an int8 cache). A
     block of 14: the last of the 10 new tokens after 5 is computed over the whole cache, which the
     compiled step's graph reads as it reads any number of cells. Inductor's cache stores the float
     step (nothing in it makes it bypass the cache); the int8 step, its weights frozen in, is a
-    package on disk (step_package) that a later step of the same model loads, compiling nothing."""
+    package on disk (model.step_package) that a later step of the same model loads, compiling nothing."""
     from torch._dynamo.utils import counters
 
     bypassed = counters["inductor"]["fxgraph_cache_bypass"], counters["aot_autograd"]["autograd_cache_bypass"]
@@ -177,9 +171,9 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path)
         assert rel_error(got, want) < TOLERANCE[getattr(torch, dtype)], mode
     assert counters["inductor"]["fxgraph_cache_bypass"] == bypassed[0]
     assert counters["aot_autograd"]["autograd_cache_bypass"] == bypassed[1]
-    package = step_package(model, model.new_kv_cache(len(idx), dtype=torch.int8))
-    written = package.stat().st_mtime_ns
+    folder, package, key = int8_package  # (the int8 step is this model's: built once for the session)
+    assert list(folder.glob(f"{key}.*")) == [package] and "compiling" not in capfd.readouterr().err
     again = CompiledDecodeStep(model, len(idx), kv_dtype=torch.int8)
     loaded, eager = (list(stream(model, idx, Sampling(10, temperature=0), decode_step=d, kv_dtype=torch.int8))
                      for d in (again, None))
-    assert package.stat().st_mtime_ns == written and torch.equal(torch.stack(loaded), torch.stack(eager))
+    assert torch.equal(torch.stack(loaded), torch.stack(eager))
