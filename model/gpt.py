@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles, visible
 from model.config import GPTConfig, check_integer
-from model.kv_cache import KVCache, storage_dtype
+from model.kv_cache import KVCache, layout, storage_dtype
 from model.pretrained import FAMILIES, read_folder
 
 
@@ -77,6 +77,9 @@ class GPT(nn.Module):
         self.rope = (config.rope_dim, config.rope_base, scaling)  # rope_angles' arguments after the positions
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
+        # The layouts of the caches this model reads (KVCache.layout): its windows as rings, or none
+        self.kv_layouts = {layout(windows, *self.kv_shape(), config.attn_sinks)
+                           for windows in (config.kv_windows, [None] * config.kv_layers)}
 
         # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer) so the
         # residual stream's variance does not grow with depth.
@@ -157,11 +160,17 @@ class GPT(nn.Module):
         weight = self.wte.weight
         dtype = weight.dtype if dtype is None else storage_dtype(dtype)
         windows = c.kv_windows if ring else [None] * c.kv_layers
-        kw = dict(sinks=c.attn_sinks, dtype=dtype, compute_dtype=weight.dtype, device=weight.device)
-        if c.mla_latent_dim is not None:  # one latent + RoPE key per position, values inside it
-            return KVCache(windows, batch_size, 1, max_len, c.mla_latent_dim + c.mla_rope_dim,
-                           value_dim_in_keys=c.mla_latent_dim, **kw)
-        return KVCache(windows, batch_size, c.n_kv_head, max_len, c.head_dim, **kw)
+        n_kv_head, key_dim, value_dim_in_keys = self.kv_shape()
+        return KVCache(windows, batch_size, n_kv_head, max_len, key_dim, value_dim_in_keys=value_dim_in_keys,
+                       sinks=c.attn_sinks, dtype=dtype, compute_dtype=weight.dtype, device=weight.device)
+
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(K/V heads, key width, value width inside the key or 0) of this model's cache: K and V per
+        K/V head, or MLA's one latent + RoPE key per position, its values the latent inside it."""
+        c = self.config
+        if c.mla_latent_dim is not None:
+            return 1, c.mla_latent_dim + c.mla_rope_dim, c.mla_latent_dim
+        return c.n_kv_head, c.head_dim, 0
 
     def forward(self, idx, targets=None, *, kv_cache=None, pad=None, last_only=False):
         """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets;
@@ -176,6 +185,8 @@ class GPT(nn.Module):
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
+        if kv_cache is not None and not self.fits(kv_cache, idx.size(0)):  # before anything is written
+            raise ValueError(self.cache_misfit(kv_cache, idx.size(0)))
         limit = self.config.max_positions if kv_cache is None or kv_cache.ring else kv_cache.max_len
         if limit is not None and start + T > limit:
             raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
@@ -189,6 +200,28 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1).float(),             # (B*T, vocab_size)
                                targets.flatten(), ignore_index=-1)       # (B*T,)
         return logits, loss
+
+    def fits(self, cache: KVCache, rows: int) -> bool:
+        """Whether this model can decode `rows` rows into `cache` (one made by new_kv_cache, with room)."""
+        weight = self.wte.weight
+        return (cache.layout in self.kv_layouts and rows <= cache.batch_size
+                and cache.compute_dtype == weight.dtype and cache.device == weight.device)
+
+    def cache_misfit(self, cache: KVCache, rows: int) -> str:
+        """Why `cache` does not fit (`fits`), in a sentence."""
+        weight, (windows, heads, key_dim, *_) = self.wte.weight, cache.layout
+        n_kv_head, width, _ = self.kv_shape()
+        reasons = [(rows > cache.batch_size, f"{cache.batch_size} row(s), fewer than the batch's {rows}"),
+                   (len(windows) != self.config.kv_layers,
+                    f"{len(windows)} layer groups, not the model's {self.config.kv_layers}"),
+                   ((heads, key_dim) != (n_kv_head, width),
+                    f"{heads} K/V heads of {key_dim}, not the model's {n_kv_head} of {width}"),
+                   (cache.compute_dtype != weight.dtype,
+                    f"keys for attention in dtype {cache.compute_dtype}, not the model's {weight.dtype}"),
+                   (cache.device != weight.device,
+                    f"its memory on {cache.device}, not the model's {weight.device}")]
+        why = next((why for wrong, why in reasons if wrong), "other windows or sinks than the model's")
+        return f"kv_cache does not fit this model: it holds {why} (make it with model.new_kv_cache)"
 
     def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a

@@ -251,6 +251,12 @@ def storage_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def layout(windows, n_kv_head: int, key_dim: int, value_dim_in_keys: int, sinks: int) -> tuple:
+    """What a model checks a cache it is handed against (GPT.forward): its groups, their windows and
+    sinks, their K/V heads and widths."""
+    return tuple(windows), n_kv_head, key_dim, value_dim_in_keys, sinks
+
+
 class KVCache:
     """The model's cache: one group cache per group (`groups`), K of shape (B, n_kv_head, cells,
     key_dim) and V alike (`value_dim_in_keys=L`: each V is K's first L columns, MLA's latent), stored
@@ -276,6 +282,7 @@ class KVCache:
         self.dtype, self.compute_dtype = dtype, compute_dtype
         self.value_dim_in_keys = value_dim_in_keys
         self.batch_size, self.max_len = batch_size, max(cells)
+        self.layout = layout(self.windows, n_kv_head, key_dim, value_dim_in_keys, sinks)
         names = ["k"] if value_dim_in_keys else ["k", "v"]
         self.read_buffer = {} if dtype == compute_dtype else {
             name: torch.empty(batch_size, n_kv_head, self.max_len, key_dim, dtype=compute_dtype,
@@ -291,6 +298,7 @@ class KVCache:
         for window, ring, n in zip(self.windows, rings, cells):
             k, v = stored("k", n), None if value_dim_in_keys else stored("v", n)
             self.groups.append(Ring(k, v, window, sinks) if ring else GroupCache(k, v))
+        self.device = self.groups[0].k.tensors[0].device
         self.length = 0
 
     def advance(self, n: int) -> None:

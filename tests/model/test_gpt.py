@@ -184,6 +184,34 @@ def test_cache_overflow_is_an_error():
         model(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
 
 
+# A cache of another model, and what the error says of it: (the cache's model, its rows, the words).
+MISFITS = {"rows": ({}, 1, "1 row(s), fewer than the batch's 2"),
+           "heads": ({"n_kv_head": 2}, 2, "2 K/V heads of 4, not the model's 4 of 4"),
+           "MLA's latent": ({"mla_latent_dim": 8, "mla_rope_dim": 4}, 2, "1 K/V heads of 12"),
+           "layers": ({"n_layer": 3}, 2, "3 layer groups, not the model's 2"),
+           "shared layers": ({"kv_share": 2}, 2, "1 layer groups"),
+           "dtype": ({"dtype": torch.bfloat16}, 2, "dtype torch.bfloat16, not the model's torch.float32"),
+           "windows": ({"attn_window": 4}, 2, "other windows or sinks"),
+           "sinks": ({"attn_window": 4, "attn_sinks": 2, "mine": {"attn_window": 4}}, 2, "windows or sinks")}
+
+
+@pytest.mark.parametrize("kind", MISFITS)
+@pytest.mark.parametrize("stored", [None, "int8"])
+def test_a_cache_that_does_not_fit_is_one_error_before_anything_is_written(kind, stored):
+    """Through the API, a cache of other rows, K/V heads, layers, dtype, windows or sinks than the
+    model's: one ValueError that says which, and the cache as it was (nothing written, not advanced)."""
+    overrides, rows, words = dict(MISFITS[kind][0]), *MISFITS[kind][1:]
+    dtype, mine = overrides.pop("dtype", torch.float32), overrides.pop("mine", {})
+    model = tiny_model(0, pos_emb="rope", **mine)
+    cache = tiny_model(1, pos_emb="rope", **overrides).to(dtype).new_kv_cache(rows, dtype=stored)
+    before = [t.clone() for t in cache.buffers]
+    for tokens in (3, 1):  # a prefill, a step
+        with pytest.raises(ValueError, match=re.escape(words)):
+            model(torch.zeros(2, tokens, dtype=torch.long), kv_cache=cache)
+    assert cache.length == 0 and all(torch.equal(a, b) for a, b in zip(before, cache.buffers))
+    assert model.fits(model.new_kv_cache(2, dtype=stored), 2)
+
+
 @pytest.mark.parametrize("overrides,field", [
     (dict(n_embd=18), "n_embd"),
     (dict(n_kv_head=3), "n_kv_head"),
