@@ -1,15 +1,40 @@
 """Hugging Face folders of the Llama family (model/pretrained.py): each family's random model as
 transformers writes it loads exactly (logits, greedy tokens with our cache and without), its
-config fields read as transformers reads them, and what we do not build refused in one line."""
+config fields read as transformers reads them, and what we do not build refused in one line; a
+hostile folder (GPT-2's too) refused as our checkpoints are: a value of the wrong kind, a config its
+weights contradict (before anything is built), a NaN or inf; GPT-2's own tokenizer.json told apart."""
 
+import functools
 import json
+import math
+import re
+import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from model import GPT, GPTConfig, generate
-from model.pretrained import llama_fields
-from tests.helpers import HF_FAMILIES, hf_folder
+from model.generation import load_model
+from model.pretrained import (
+    GPT2_KEYS,
+    LLAMA_KEYS,
+    NULLABLE,
+    ROPE_KEYS,
+    folder_config,
+    gpt2_fields,
+    is_gpt2_bpe,
+    llama_fields,
+)
+from tests.helpers import (
+    HF_FAMILIES,
+    ROOT,
+    assert_one_line_error,
+    finish,
+    hf_folder,
+    hf_gpt2,
+    start_cli,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,11 +113,13 @@ DROP = "(left out)"
      r"unsupported Qwen2 config: quantization_config="),
     ("qwen3", {"layer_types": ["full_attention"]},
      r"unsupported Qwen3 config: layer_types=\['full_attention'\]"),
-    ("llama", {"rope_scaling": "llama3"},
-     r"is not a Llama config \(TypeError: rope_scaling is a str, not a dict"),
+    ("llama", {"rope_scaling": "llama3"}, r'config.json: rope_scaling must be an object or null, got "llama'),
     ("qwen3", {"hidden_size": DROP}, r"config.json is not a Qwen3 config \(KeyError: 'hidden_size'"),
-    ("qwen3", {"hidden_size": None}, r"config.json: GPTConfig.n_embd must be an integer >= 1, got None"),
-    ("llama", {"num_attention_heads": 5}, r"config.json: GPTConfig.n_kv_head=2 must divide n_head=5"),
+    ("qwen3", {"hidden_size": None}, r"config.json: hidden_size must be an integer, got null"),
+    ("llama", {"num_attention_heads": 5}, r"config.json: GPTConfig.n_kv_head=2 must divide n_head=5 "
+                                          r"\(config.json's num_attention_heads, num_key_value_heads\)"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}},
+     r"is not a Llama config \(KeyError: 'rope_parameters.factor' is missing"),
 ])
 def test_an_unsupported_config_fails_in_one_line_naming_the_key(tmp_path, family, changes, message):
     hf_folder(tmp_path, family)
@@ -142,13 +169,259 @@ def test_sharded_weights_load(tmp_path, hf_folders):
         torch.testing.assert_close(ours, hf(idx).logits, atol=1e-4, rtol=0)
 
 
-def test_a_weight_missing_or_left_over_is_named(tmp_path):
-    from safetensors.torch import load_file, save_file
+@pytest.fixture(scope="module")
+def folders(hf_folders, tmp_path_factory) -> dict:
+    """{family: folder}: the Llama families' (hf_folders) and a GPT-2's (hf_gpt2), without a tokenizer."""
+    gpt2 = tmp_path_factory.mktemp("gpt2")
+    hf_gpt2(gpt2)
+    return {"gpt2": gpt2} | {family: path for family, (path, _) in hf_folders.items()}
 
-    hf_folder(tmp_path, "llama")
-    weights = load_file(tmp_path / "model.safetensors")
-    weights["model.layers.0.self_attn.extra.weight"] = weights.pop("model.layers.0.input_layernorm.weight")
-    save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing \['blocks.0.norm_1.weight'\], unexpected "
-                                         r"\['model.layers.0.self_attn.extra.weight'\]"):
+
+def copy_folder(source, path, **changes):
+    """A copy of the folder `source` at `path`, its config.json with `changes` (write_config's)."""
+    shutil.copytree(source, path)
+    write_config(path, **changes)
+    return path
+
+
+def change_weights(path, change, file="model.safetensors"):
+    """`change(weights)` applied to the tensors of the folder's `file`, written back."""
+    weights = load_file(path / file)
+    change(weights)
+    save_file(weights, path / file, metadata={"format": "pt"})
+
+
+def assert_one_line(error, *parts):
+    message = str(error.value)
+    assert "\n" not in message and all(part in message for part in parts), message
+
+
+@pytest.mark.parametrize("family,key,value,named", [
+    ("llama", "intermediate_size", 2**36, "[intermediate_size=68719476736, hidden_size=48]"),
+    ("llama", "num_hidden_layers", 10**6, "num_hidden_layers=1000000, but the weights hold 3 layers"),
+    ("llama", "num_hidden_layers", 2, "num_hidden_layers=2, but the weights hold 3 layers"),
+    ("llama", "vocab_size", 2**40, "[vocab_size=1099511627776, hidden_size=48]"),
+    ("llama", "hidden_size", 64, "[vocab_size=300, hidden_size=64]"),
+    ("llama", "head_dim", 32, "[num_attention_heads x head_dim=128, hidden_size=48]"),
+    ("llama", "num_key_value_heads", None, "[num_key_value_heads x head_dim=64, hidden_size=48]"),
+    ("qwen3", "num_attention_heads", 8, "[num_attention_heads x head_dim=128, hidden_size=48]"),
+    ("qwen2", "tie_word_embeddings", False, "1 missing (first lm_head.weight)"),
+    ("qwen3", "model_type", "llama", "unexpected (first model.layers.0.self_attn.k_norm.weight)"),
+    ("mistral", "head_dim", 16, "[num_attention_heads x head_dim=64, hidden_size=48]"),
+    ("gpt2", "n_layer", 10**6, "n_layer=1000000, but the weights hold 2 layers"),
+    ("gpt2", "n_embd", 64, "[vocab_size=97, n_embd=64]"),
+    ("gpt2", "n_positions", 2**40, "[n_positions=1099511627776, n_embd=32]"),
+])
+def test_a_config_its_weights_contradict_is_refused_before_any_model_is_built(
+        tmp_path, folders, family, key, value, named):
+    """Every size of config.json is compared with the safetensors' headers first: load_model, which
+    builds the model on the meta device to count its parameters, refuses a million layers (38
+    minutes to build) or an MLP 2^36 wide (the allocator's traceback) in one line, at once."""
+    path = copy_folder(folders[family], tmp_path / "folder", **{key: value})
+    for read in (folder_config, lambda p: load_model(p, "cpu")):
+        with pytest.raises(ValueError, match="weights do not match its config.json") as error:
+            read(path)
+        assert_one_line(error, named)
+
+
+@pytest.mark.parametrize("change,named", [
+    (lambda w: w.pop("model.layers.1.self_attn.k_proj.weight"),
+     "1 missing (first model.layers.1.self_attn.k_proj.weight)"),
+    (lambda w: w.update(extra=torch.ones(2)), "1 unexpected (first extra)"),
+    (lambda w: w.update({"model.layers.2.mlp.down_proj.weight": torch.ones(48, 79)}),
+     "model.layers.2.mlp.down_proj.weight in model.safetensors is [48, 79], its config makes it "
+     "[hidden_size=48, intermediate_size=80]"),
+    (lambda w: w.update({"model.layers.3.input_layernorm.weight": torch.ones(48)}),
+     "num_hidden_layers=3, but the weights hold 4 layers"),
+])
+def test_a_weight_missing_left_over_or_of_another_shape_is_named(tmp_path, folders, change, named):
+    path = copy_folder(folders["llama"], tmp_path / "folder")
+    change_weights(path, change)
+    with pytest.raises(ValueError, match="weights do not match its config.json") as error:
+        GPT.from_pretrained(path)
+    assert_one_line(error, named)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_a_nan_or_inf_in_a_folder_is_refused_naming_the_file_and_the_tensor(tmp_path, folders, dtype, value):
+    """As our own checkpoints are (model.checkpoint.check_weights): one number anywhere, here the
+    last of the last layer's, in the folder's dtype."""
+    path = copy_folder(folders["llama"], tmp_path / "folder")
+
+    def spoil(weights):
+        weights.update({name: tensor.to(dtype) for name, tensor in weights.items()})
+        weights["model.layers.2.mlp.down_proj.weight"][-1, -1] = value
+
+    change_weights(path, spoil)
+    with pytest.raises(ValueError, match="its weights hold NaN or inf") as error:
+        GPT.from_pretrained(path)
+    assert_one_line(error, f"{path / 'model.safetensors'}:", "(model.layers.2.mlp.down_proj.weight)")
+
+
+def test_a_nan_in_a_shard_is_refused_naming_the_shard(tmp_path, hf_folders):
+    _, hf = hf_folders["qwen2"]
+    hf.save_pretrained(tmp_path, max_shard_size="50KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = index["model.layers.1.self_attn.q_proj.bias"]
+    change_weights(tmp_path, lambda w: w["model.layers.1.self_attn.q_proj.bias"].fill_(math.nan), shard)
+    with pytest.raises(ValueError, match="its weights hold NaN or inf") as error:
         GPT.from_pretrained(tmp_path)
+    assert_one_line(error, f"{tmp_path / shard}:", "(model.layers.1.self_attn.q_proj.bias)")
+
+
+@pytest.mark.parametrize("family,changes,message", [
+    ("llama", {"rms_norm_eps": "1e-5"}, 'rms_norm_eps must be a number, got "1e-5"'),
+    ("gpt2", {"layer_norm_epsilon": None}, "layer_norm_epsilon must be a number, got null"),
+    ("llama", {"model_type": ["llama"]}, 'model_type must be a string or null, got ["llama"]'),
+    ("llama", {"hidden_size": 48.0}, "hidden_size must be an integer, got 48.0"),
+    ("qwen3", {"num_hidden_layers": True}, "num_hidden_layers must be an integer, got true"),
+    ("qwen2", {"tie_word_embeddings": "true"}, 'tie_word_embeddings must be true or false, got "true"'),
+    ("qwen3", {"layer_types": "sliding_attention"}, "layer_types must be a list of strings or null"),
+    ("qwen3", {"use_sliding_window": 1}, "use_sliding_window must be true or false, got 1"),
+    ("mistral", {"sliding_window": "6"}, 'sliding_window must be an integer or null, got "6"'),
+    ("qwen2", {"max_window_layers": None}, "max_window_layers must be an integer, got null"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": "8"}},
+     'rope_parameters.factor must be a number, got "8"'),
+    ("llama", {"rope_scaling": []}, "rope_scaling must be an object or null, got []"),
+    ("gpt2", {"scale_attn_weights": "yes"}, 'scale_attn_weights must be true or false, got "yes"'),
+    ("gpt2", {"n_inner": 64.0}, "n_inner must be an integer or null, got 64.0"),
+    ("llama", {"architectures": "LlamaForCausalLM"}, "architectures must be a list of strings or null"),
+])
+def test_a_value_of_the_wrong_kind_is_one_line_naming_the_key(tmp_path, folders, family, changes, message):
+    path = copy_folder(folders[family], tmp_path / "folder", **changes)
+    with pytest.raises(ValueError, match="config.json: ") as error:
+        GPT.from_pretrained(path)
+    assert_one_line(error, message)
+
+
+class ReadKeys(dict):
+    """A config.json's dict that notes each key read from it (and from a dict merged with it)."""
+
+    def __init__(self, *args, read=None):
+        super().__init__(*args)
+        self.read = set() if read is None else read
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __ror__(self, other):  # (LLAMA_DEFAULTS[family] | hf)
+        return ReadKeys({**other, **self}, read=self.read)
+
+
+def test_every_key_read_has_a_kind_and_each_is_checked(tmp_path, folders):
+    """Every key the readers read is in their table of kinds (so none is read unchecked), and each
+    key of the tables, holding a value of no kind's or null, is one line naming it: null only where
+    transformers' own default is null (NULLABLE, then absent)."""
+    for family, folder in folders.items():
+        hf = ReadKeys(json.loads((folder / "config.json").read_text()))
+        gpt2_fields(hf) if family == "gpt2" else llama_fields(hf, family)
+        table = GPT2_KEYS if family == "gpt2" else LLAMA_KEYS
+        assert hf.read <= table.keys(), hf.read - table.keys()
+    checks = [("gpt2", key, "") for key in GPT2_KEYS] + [("llama", key, "") for key in LLAMA_KEYS]
+    checks += [("llama", key, "rope_parameters.") for key in ROPE_KEYS]
+    for family, key, within in checks:
+        for value in ([1], None):
+            path = tmp_path / f"{family}-{within}{key}-{value}"
+            change = {key: value} if not within else {"rope_parameters": {"rope_type": "default", key: value}}
+            copy_folder(folders[family], path, **change)
+            if value is None and (key in NULLABLE or within and key in ("rope_type", "type")):
+                continue  # (null: absent, or an unsupported RoPE's own line)
+            with pytest.raises(ValueError, match=re.escape(f"config.json: {within}{key} must be ")) as e:
+                folder_config(path)
+            assert_one_line(e)
+    for key in NULLABLE & LLAMA_KEYS.keys():  # null: absent, or as transformers reads it (head_dim's:
+        family = "qwen3" if key == "layer_types" else "llama"  # hidden_size / heads, not these weights')
+        try:
+            folder_config(copy_folder(folders[family], tmp_path / f"null-{key}", **{key: None}))
+        except ValueError as e:
+            assert key in ("head_dim", "num_key_value_heads") and "weights do not match" in str(e), e
+
+
+def test_a_config_without_model_type_is_read_by_its_architectures(tmp_path, folders):
+    """As transformers' AutoConfig would from its architectures; else (another family, none) in one
+    line that says what kvgpt reads."""
+    path = folders["qwen3"]
+    expected = GPT.from_pretrained(path).config
+    assert GPT.from_pretrained(copy_folder(path, tmp_path / "a", model_type=DROP)).config == expected
+    old_gpt2 = copy_folder(folders["gpt2"], tmp_path / "gpt2", model_type=DROP, architectures=DROP)
+    assert folder_config(old_gpt2)[0] == "gpt2"
+    for architectures, named in ([["MixtralForCausalLM"], "architectures ['MixtralForCausalLM'] name none"],
+                                 [DROP, "no architectures nor GPT-2's keys"],
+                                 [["LlamaForCausalLM", "Qwen3ForCausalLM"], "name more than one"]):
+        folder = copy_folder(path, tmp_path / f"{named[:5]}", model_type=DROP, architectures=architectures)
+        with pytest.raises(ValueError, match="config.json has no model_type") as error:
+            GPT.from_pretrained(folder)
+        assert_one_line(error, named, "Qwen3ForCausalLM")
+
+
+@functools.cache
+def gpt2_tokenizer_json() -> str:
+    """GPT-2's BPE as a tokenizer.json holds it (the Hub's openai-community/gpt2), from our shipped
+    ranks: each token's merge recovered by running the BPE over its bytes with the ranks below its own."""
+    from data.tokenizer import BYTE_LEVEL, gpt2_encoding
+
+    encoding, text = gpt2_encoding(), {b: c for c, b in BYTE_LEVEL.items()}
+    tokens = [encoding.decode_single_token_bytes(i) for i in range(50256)]
+    ranks = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for rank in range(256, 50256):
+        parts = [bytes([b]) for b in tokens[rank]]
+        while len(parts) > 2:
+            _, at = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        merges.append(" ".join("".join(text[b] for b in part) for part in parts))
+    vocab = {"".join(text[b] for b in token): i for i, token in enumerate(tokens)} | {"<|endoftext|>": 50256}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [
+        {"id": 50256, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": True}], "normalizer": None,
+        "pre_tokenizer": byte_level | {"add_prefix_space": False},
+        "post_processor": byte_level | {"trim_offsets": False}, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": merges}})
+
+
+@pytest.mark.parametrize("spoil", [
+    None, lambda t: t["model"]["merges"].reverse(),
+    lambda t: t["pre_tokenizer"].update(add_prefix_space=True),
+    lambda t: t.update(normalizer={"type": "Lowercase"}), lambda t: t["model"].update(dropout=0.1),
+    lambda t: t["model"]["vocab"].update({"Ġthe": 50255, "<|endoftext|>": 262}),
+    lambda t: t.update(post_processor={"type": "TemplateProcessing", "single": [], "pair": [],
+                                       "special_tokens": {}}),
+], ids=["gpt2", "merges", "prefix_space", "normalizer", "dropout", "ids", "post_processor"])
+def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
+    """is_gpt2_bpe: the Hub's GPT-2 tokenizer.json encodes every text as our shipped ranks do (one
+    tokenizer: a GPT-2 folder holding it finetunes on data of GPT-2's BPE); one setting or token
+    changed, it is another tokenizer."""
+    from data.tokenizer import BPETokenizer, HFTokenizer
+
+    tokenizer = json.loads(gpt2_tokenizer_json())
+    if spoil is not None:
+        spoil(tokenizer)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert is_gpt2_bpe(tmp_path / "tokenizer.json") == (spoil is None)
+    if spoil is None:
+        text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[:3000] + " 12345 ’s  \n\t"
+        assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
+        (tmp_path / "tokenizer.json").write_text("{not json")
+        assert not is_gpt2_bpe(tmp_path / "tokenizer.json")
+
+
+def test_a_hostile_folder_is_one_error_line_from_generate(tmp_path, folders):
+    """`python generate.py ckpt=<folder>`, two real processes side by side: a NaN in its weights, a
+    config.json of a million layers over three: `error: <one line>`, exit 1, at once."""
+    nan = copy_folder(folders["llama"], tmp_path / "nan")
+    change_weights(nan, lambda w: w["model.norm.weight"].__setitem__(7, math.nan))
+    deep = copy_folder(folders["qwen3"], tmp_path / "deep", num_hidden_layers=10**6)
+    runs = [start_cli("generate.py", f"ckpt={path}", "max_new_tokens=4") for path in (nan, deep)]
+    nan_run, deep_run = (finish(run, timeout=120) for run in runs)
+    assert_one_line_error(nan_run, f"{nan / 'model.safetensors'}: its weights hold NaN or inf "
+                                   f"(model.norm.weight)")
+    assert_one_line_error(deep_run, "num_hidden_layers=1000000, but the weights hold 3 layers")
