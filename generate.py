@@ -34,7 +34,7 @@ from cli.configs import CONFIGS, composed_jobs, config_object, quote_literal_opt
 from cli.errors import exit_on_user_error, naming
 from cli.page import write_inspect_page
 from data.prepare import read_text_files
-from data.tokenizer import TextStream, tokenizer_from_meta
+from data.tokenizer import TextStream, check_utf8, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.decode_step import CompiledDecodeStep
@@ -171,7 +171,26 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
             raise ValueError(f"prompt_file {path} has no prompts")
     else:
         prompts = [cfg.prompt]
+        check_utf8(cfg.prompt, "prompt")  # (prompt_file's bytes are read as UTF-8, and said so)
     return prompts
+
+
+def encode_prompts(tokenizer, prompts: list[str], cfg: GenerateConfig) -> list[list[int]]:
+    """Each prompt's token ids, one or more: a prompt the tokenizer cannot take (a character a char
+    model lacks; a newline, the prompt when none is given, included) names its option."""
+    option, encoded = "prompt" if cfg.prompt_file is None else "prompt_file", []
+    for prompt in prompts:
+        try:
+            ids = tokenizer.encode(prompt)
+        except ValueError as e:
+            default = " (a newline is the prompt when none is given)" if prompt == "\n" else ""
+            fix = "give prompt=... in the characters it has" if option == "prompt" else "edit the prompts"
+            raise ValueError(f"{option}: {e}{default}: {fix}") from e
+        if not ids:
+            raise ValueError(f"{option}: {prompt!r} encodes to no token with this model's tokenizer: "
+                             f"give other text")
+        encoded.append(ids)
+    return encoded
 
 
 def cache_positions(config, longest: int, max_new_tokens: int) -> int:
@@ -215,24 +234,19 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
                          f"{tokenizer.name} tokenizer's {tokenizer.vocab_size}: a mismatched checkpoint")
-    encoded = [tokenizer.encode(p) for p in lines]
+    encoded = encode_prompts(tokenizer, lines, cfg)
     positions = cache_positions(model.config, max(map(len, encoded)), cfg.max_new_tokens)
     check_batch_fits(model, len(lines) * cfg.num_samples, positions, cfg)
     prompts, encoded = ([x for x in xs for _ in range(cfg.num_samples)] for xs in (lines, encoded))
-    if cfg.attn_plot:
-        ids = encoded[0][-model.config.block_size:]
-        labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
-        fig = attention_figure(model, ids, labels, cfg.attn_layer)
-        with naming("attn_plot"):
-            write_figure(fig, cfg.attn_plot)
-        print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
     kv_dtype = cfg.cache_dtype
     backend, t0 = cfg.step_backend(device), time.perf_counter()
-    decode_step = None if backend is None else CompiledDecodeStep(model, len(prompts), kv_dtype, backend,
-                                                                  max_len=positions)
+    with naming("compile"):  # (inductor's cache folder: full, read-only, ...)
+        decode_step = None if backend is None else CompiledDecodeStep(model, len(prompts), kv_dtype, backend,
+                                                                      max_len=positions)
     if cfg.benchmark:
         built_s = time.perf_counter() - t0
         print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, built_s)
+        save_attention_plot(model, encoded[0], tokenizer, cfg, out)
         return []
 
     if cfg.inspect:
@@ -245,6 +259,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
                     decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype,
                     prefill_chunk=cfg.prefill_chunk)
+    save_attention_plot(model, encoded[0], tokenizer, cfg, out)  # once the sample is checked (stream)
     with DecodeRecorder(model, encoded[0]) if cfg.inspect else nullcontext() as recorder:
         tokens = recorder.watch(tokens) if recorder else tokens
         texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
@@ -257,9 +272,22 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     return [p + t for p, t in zip(prompts, texts)]
 
 
+def save_attention_plot(model, prompt: list[int], tokenizer, cfg: GenerateConfig, out) -> None:
+    """attn_plot=...: the heatmaps of the prompt's (last block_size tokens') attention in one layer,
+    written after what would refuse the sample: nothing is written or printed for a run that fails."""
+    if cfg.attn_plot:
+        ids = prompt[-model.config.block_size:]
+        labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
+        fig = attention_figure(model, ids, labels, cfg.attn_layer)
+        with naming("attn_plot"):
+            write_figure(fig, cfg.attn_plot)
+        print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
+
+
 def check_inspect_fits(model, prompt: list[int], cfg: GenerateConfig) -> None:
     """inspect=... records a decode of at most MAX_WEIGHTS attention weights."""
-    if (n := weights_to_record(model.config, len(prompt), cfg.max_new_tokens)) > MAX_WEIGHTS:
+    n = weights_to_record(model.config, len(prompt), cfg.max_new_tokens, cfg.kv_cache)
+    if n > MAX_WEIGHTS:
         raise ValueError(f"inspect={cfg.inspect}: max_new_tokens={cfg.max_new_tokens} would record {n:,} "
                          f"attention weights (~{8 * n / 2**20:,.0f} MB of page), more than {MAX_WEIGHTS:,}: "
                          f"lower max_new_tokens")

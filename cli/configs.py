@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import re
+import shlex
 import sys
 import typing
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from cli.errors import naming, one_line, user_error
 from data.prepare import DataConfig
@@ -63,15 +65,19 @@ def composed_jobs(config_dir, config_name: str, argv: list[str]) -> list[tuple[D
 
 
 def hydra_one_line(error: BaseException) -> str:
-    """Hydra's multi-line composition error as one line: what failed, why, and the options."""
+    """Hydra's multi-line composition error as one line: what failed, why, and the options. Where
+    the value typed may be meant as text (the grammar refused it, a comma made it a list), how to
+    type it so: a hint that works as given (`as_text`)."""
     lines = [line.strip() for line in str(error).splitlines()]
     lines = [line for line in lines if line.strip("^ ") and not line.startswith(("See https", "provider="))]
     lines = lines[:lines.index("Config search path:")] if "Config search path:" in lines else lines
     if getattr(error, "override", None):  # the grammar refused it: a quoted value is plain text
-        key, _, value = error.override.partition("=")
         reason = next(line for line in lines if not line.startswith("Error parsing override"))
-        return (f"cannot parse {error.override} ({reason}): quote the value for Hydra, in a shell "
-                f"\"{key}='{value}'\"")
+        return f"cannot parse {error.override} ({reason}): {as_text(error.override)}"
+    if ambiguous := re.fullmatch(r"Ambiguous value for argument '(.*)'", lines[0]):  # a comma
+        override = ambiguous[1]
+        return (f"{override} is a list of values: for a list, {override.partition('=')[0]}=[...]; for a "
+                f"sweep, --multirun; for text, {as_text(override)}")
     if error.__cause__ is not None:
         return f"{lines[0].rstrip('.')}: {one_line(error.__cause__)}"
     for i, line in enumerate(lines):
@@ -85,15 +91,20 @@ def hydra_one_line(error: BaseException) -> str:
 def config_object(node, prefix: str = ""):
     """The dataclass instance of a config node that has a schema (its __post_init__ checks the
     ranges). A key the schema lacks, added with `+key=...`, is an error instead of being dropped,
-    and so is a required value (`???` in the YAML) left unset, and a float field that is not a
-    finite number (Hydra reads `inf` and `nan` as floats)."""
+    and so is a required value (`???` in the YAML) left unset, a float field that is not a finite
+    number (Hydra reads `inf` and `nan` as floats), and an interpolation that does not resolve."""
     schema = OmegaConf.get_type(node)
     check_keys(node.keys(), schema, prefix)
     if missing := sorted(key for key in node if OmegaConf.is_missing(node, key)):
         raise ValueError(f"{prefix}{missing[0]} is required: set it on the command line, "
                          f"e.g. {prefix}{missing[0]}=...")
     for f in dataclasses.fields(schema):
-        value = node[f.name]
+        try:
+            value = node[f.name]
+        except InterpolationResolutionError as e:  # `${` typed as text, perhaps
+            typed = OmegaConf.to_container(node)[f.name]
+            raise ValueError(f"{prefix}{f.name}={typed}: {one_line(e)}; for ${{ as text, "
+                             f"{as_text(f'{prefix}{f.name}={typed}')}") from e
         if float in (f.type, *typing.get_args(f.type)) and value is not None and not math.isfinite(value):
             raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
     return OmegaConf.to_object(node)
@@ -113,16 +124,34 @@ def unescape(text: str) -> str:
     return re.sub(r"\\([nt\\])", lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], text)
 
 
+def hydra_quoted(value: str) -> str:
+    """value as a Hydra quoted string, whose text it is whatever it holds: commas, quotes, brackets,
+    `${`, newlines (in Hydra's quoted strings, \\ escapes only before ' and ${ and the closing quote)."""
+    escaped = re.sub(r"(\\*)('|\$\{|\Z)",
+                     lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
+    return f"'{escaped}'"
+
+
+def shell_quoted(arg: str) -> str:
+    """arg as one word of a POSIX shell: in double quotes, readable around Hydra's single quotes; in
+    single quotes where it holds `!` (an interactive bash expands history in double quotes)."""
+    if "!" in arg:
+        return shlex.quote(arg)
+    return '"' + re.sub(r'([\\"$`])', r"\\\1", arg) + '"'
+
+
+def as_text(override: str) -> str:
+    """The hint for `key=value` meant as text: the override to type in a shell, which hands Hydra
+    the value quoted."""
+    key, _, value = override.partition("=")
+    return f"quote the value for Hydra, in a shell {shell_quoted(f'{key}={hydra_quoted(value)}')}"
+
+
 def quote_literal_options(argv: list[str], literal: tuple[str, ...]) -> list[str]:
     """`prompt=To be, or not` as the shell hands it over, quoted for Hydra so that commas, quotes,
     brackets, `${` and newlines are text (Hydra's grammar would reject or interpret them), for
     each key in `literal`; a typed \\n or \\t is a newline or a tab."""
-    def quoted(value: str) -> str:  # in Hydra's quoted strings, \ escapes only before ' and ${
-        escaped = re.sub(r"(\\*)('|\$\{|\Z)",
-                         lambda m: m.group(1) * 2 + ("\\" + m.group(2) if m.group(2) else ""), value)
-        return f"'{escaped}'"
-
-    return [f"{key}={quoted(unescape(value))}" if key in literal else arg
+    return [f"{key}={hydra_quoted(unescape(value))}" if key in literal else arg
             for arg in argv for key, _, value in [arg.partition("=")]]
 
 

@@ -18,8 +18,9 @@ import time
 from contextlib import contextmanager
 
 # What user input can cause: a bad value (ValueError, UnicodeDecodeError included), a missing
-# file, a full disk or an unreachable host (OSError), a run that diverged (FloatingPointError).
-USER_ERRORS = (ValueError, OSError, FloatingPointError)
+# file, a full disk or an unreachable host (OSError), a run that diverged (FloatingPointError),
+# more memory than the machine lets it have (MemoryError: training.options.out_of_memory's).
+USER_ERRORS = (ValueError, OSError, FloatingPointError, MemoryError)
 
 
 def one_line(error: BaseException) -> str:

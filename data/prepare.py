@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,9 +24,14 @@ from typing import Any
 
 import numpy as np
 
+try:
+    import fcntl  # one process prepares a folder, where the OS has flock (Linux, macOS)
+except ImportError:
+    fcntl = None
+
 from data.tokenizer import BPETokenizer, CharTokenizer, meta_vocab_size
 
-FORMAT_VERSION = 2  # 2: paths with glob characters were dropped by datasets in 1; prepared again
+FORMAT_VERSION = 3  # 2: paths with glob characters were dropped by datasets in 1; 3: meta.json's digests
 TOKENIZERS = ("char", "bpe")
 # TinyShakespeare (char-rnn's input.txt, 1,115,394 bytes) ships with the package: the corpus of
 # data.name=shakespeare when data.path is not set.
@@ -66,6 +72,21 @@ class DataConfig:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def meta_digest(meta: dict) -> str:
+    """The sha256 of meta.json's fields but this one (`meta_sha256`), as write_prepared wrote them: a
+    meta.json changed since no longer matches it."""
+    return sha256_bytes(json.dumps({k: v for k, v in meta.items() if k != "meta_sha256"},
+                                   sort_keys=True).encode())
 
 
 def cache_dir(cfg: DataConfig) -> Path:
@@ -131,26 +152,48 @@ def prepare(cfg: DataConfig) -> Path:
     key = sha256_bytes(json.dumps([FORMAT_VERSION, source_sha256, cfg.tokenizer,
                                    cfg.val_fraction]).encode())[:16]
     out_dir = cache_dir(cfg) / f"{cfg.name}-{cfg.tokenizer}-{key}"
-    if (out_dir / "meta.json").is_file():
+    if (out_dir / "meta.json").is_file() and damaged(out_dir) is None:
         return out_dir
-    if out_dir.is_dir():  # without meta.json, which a prepared folder moves in with: damaged since
-        shutil.rmtree(out_dir, ignore_errors=True)
-    try:
-        cache_dir(cfg).mkdir(parents=True, exist_ok=True)
-        tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
-    except OSError as e:
-        raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     bpe = BPETokenizer() if cfg.tokenizer == "bpe" else None  # its errors are not the cache's
-    try:
-        write_prepared(cfg, files, source, key, tmp_dir, bpe)
-        sync_files(tmp_dir)
-        os.replace(tmp_dir, out_dir)  # the folder is complete, or not there
-    except OSError as e:
-        if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
-            raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+    with preparing(out_dir):
+        if (out_dir / "meta.json").is_file():
+            if (damage := damaged(out_dir)) is None:
+                return out_dir  # another process prepared it meanwhile
+            print(f"data: {out_dir} is damaged ({damage}): prepared again", file=sys.stderr)
+        if out_dir.is_dir():  # damaged since (a prepared folder moves in with meta.json): made again
+            shutil.rmtree(out_dir, ignore_errors=True)
+        try:
+            tmp_dir = Path(tempfile.mkdtemp(dir=cache_dir(cfg), prefix=f".{out_dir.name}-"))
+            try:
+                write_prepared(cfg, files, source, key, tmp_dir, bpe)
+                sync_files(tmp_dir)
+                os.replace(tmp_dir, out_dir)  # the folder is complete, or not there
+            finally:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
+        except OSError as e:
+            if not (out_dir / "meta.json").is_file():  # not another process preparing the same first
+                raise type(e)(f"data.cache_dir: cannot write to {cache_dir(cfg)} ({e.strerror or e})") from e
     return out_dir
+
+
+@contextmanager
+def preparing(out_dir: Path):
+    """Held while out_dir is prepared: an flock on `.<name>.lock` beside it (where the OS has flock),
+    so that one process prepares it and another waits, then finds it; holding it, the temp folders
+    of a preparation that was killed (SIGKILL, a crash) are removed, since none can be live."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out_dir.parent / f".{out_dir.name}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise type(e)(f"data.cache_dir: cannot write to {out_dir.parent} ({e.strerror or e})") from e
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # (released when the fd closes, or the process ends)
+            for stale in out_dir.parent.glob(f".{out_dir.name}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        yield
+    finally:
+        os.close(fd)
 
 
 def sync_files(folder: Path) -> None:
@@ -195,11 +238,11 @@ def write_prepared(cfg: DataConfig, files: list[Path], source: bytes, key: str, 
                           batched=True, remove_columns=["text"], keep_in_memory=True,
                           new_fingerprint=f"{key}-tokens")
     dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    counts = {}
+    counts, arrays = {}, {}
     for row in parts:
-        ids = np.asarray(row["ids"], dtype=dtype)
-        np.save(out_dir / f"{row['split']}.npy", ids)
-        counts[f"{row['split']}_tokens"] = len(ids)
+        ids, name = np.asarray(row["ids"], dtype=dtype), f"{row['split']}.npy"
+        np.save(out_dir / name, ids)
+        counts[f"{row['split']}_tokens"], arrays[name] = len(ids), sha256_file(out_dir / name)
     meta = {
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
@@ -210,7 +253,9 @@ def write_prepared(cfg: DataConfig, files: list[Path], source: bytes, key: str, 
         "source_files": [str(f) for f in files],
         "val_fraction": cfg.val_fraction,
         "version": FORMAT_VERSION,
+        "arrays_sha256": arrays,
     }
+    meta["meta_sha256"] = meta_digest(meta)
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -227,20 +272,43 @@ def quiet(datasets):
 
 
 def load_prepared(prepared_dir: Path):
-    """meta, train and val token arrays (memory-mapped) of a prepared folder, checked: meta.json
-    names a tokenizer whose vocabulary holds every token id of the arrays, and their lengths."""
+    """meta, train and val token arrays (memory-mapped) of a prepared folder, checked (check_prepared):
+    a folder changed since it was prepared is refused, saying which file and how to make it again.
+    (prepare, which every run and `python -m cli.prepare` call first, checks the arrays' bytes too.)"""
     prepared_dir = Path(prepared_dir)
     try:
-        meta = json.loads((prepared_dir / "meta.json").read_text())
-        train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
-        check_prepared(meta, train, val)
+        return read_prepared(prepared_dir)
     except ValueError as e:  # json's or numpy's complaint about a damaged file, or ours
-        raise ValueError(f"{prepared_dir} is damaged ({e}): delete it and it is prepared again") from e
+        raise ValueError(f"{prepared_dir} is damaged ({e}): delete it and it is prepared again (by the next "
+                         f"run, or python -m cli.prepare)") from e
+
+
+def read_prepared(prepared_dir: Path):
+    meta = json.loads((prepared_dir / "meta.json").read_text())
+    train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
+    check_prepared(meta, train, val)
     return meta, train, val
 
 
+def damaged(prepared_dir: Path) -> str | None:
+    """What is wrong with a prepared folder, None if nothing: load_prepared's checks, and each
+    array's sha256 against the one meta.json records (a file changed in place, its size kept)."""
+    try:
+        meta, _, _ = read_prepared(prepared_dir)
+    except ValueError as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot read {e.filename}: {e.strerror or e}"
+    for name, recorded in meta["arrays_sha256"].items():
+        if sha256_file(prepared_dir / name) != recorded:
+            return f"{name} is not the file meta.json records: its sha256 differs"
+    return None
+
+
 def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
-    """What load_prepared reads is what write_prepared writes, or a ValueError saying what is not."""
+    """What load_prepared reads is what write_prepared writes, or a ValueError saying what is not:
+    meta.json names a tokenizer whose vocabulary holds every token id of the arrays, their
+    lengths and dtype, and its fields are as written (meta_sha256: no hand edit passes)."""
     if not isinstance(meta, dict):
         raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
     vocab_size = meta_vocab_size(meta)
@@ -253,6 +321,12 @@ def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
         if len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(f"{name}.npy holds token id {int(tokens.max())}, past the vocabulary "
                              f"({vocab_size})")
+        if tokens.dtype.name != meta.get("dtype"):
+            raise ValueError(f"{name}.npy holds {tokens.dtype.name}, not the {meta.get('dtype')!r} "
+                             f"meta.json says")
+    if meta.get("meta_sha256") != meta_digest(meta):
+        raise ValueError("meta.json was changed since it was prepared: its fields do not match its "
+                         "meta_sha256")
 
 
 if __name__ == "__main__":  # the command it was before the command lines moved to cli/

@@ -13,15 +13,32 @@ def prefill(model, tokens, cache=None, pad=None, chunk=None, share_prefix=True):
         return model(context, pad=context_pad, last_only=True)[:, -1], context_pad
     cache.reset()
     shared = shared_prefix(context, context_pad) if share_prefix else 0
+    if context_pad is not None:  # a plain prefix cache holds block_size positions at most
+        shared = min(shared, model.config.block_size)
     if not shared:
         return feed(model, context, cache, context_pad, chunk), context_pad
-    start = 0 if context_pad is None else int(context_pad[0])
-    prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain groups, as cache stores
-    logits = feed(model, context[:1, start:start + shared], prefix, None, chunk)  # (1, vocab)
-    cache.fill_from(prefix, context.size(0), context_pad)
+    logits = feed_shared(model, context, cache, context_pad, shared, chunk)  # (1, vocab)
     if shared == context.size(1):  # every row is this prompt
         return logits.expand(context.size(0), -1), context_pad
     return feed(model, context[:, shared:], cache, context_pad, chunk), context_pad
+
+
+def feed_shared(model, context, cache, pad, shared, chunk=None):
+    """The first `shared` tokens of every row of `context` (B, T), after its `pad`, fed once into the
+    emptied cache; the logits (1, vocab) after them. Rows of one length: fed for the first row (a
+    ring takes any length), copied as stored into the others. Else into one plain row, at most
+    block_size of it, which `KVCache.fill_from` places at each row's columns."""
+    B = context.size(0)
+    if pad is None:
+        logits = feed(model, context[:1, :shared], cache, None, chunk)
+        for tensor in cache.buffers:                                     # (rows, heads, cells, .)
+            tensor[1:B] = tensor[:1]
+        return logits
+    start = int(pad[0])
+    prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain groups, as cache stores
+    logits = feed(model, context[:1, start:start + shared], prefix, None, chunk)
+    cache.fill_from(prefix, B, pad)
+    return logits
 
 
 def context_of(c, tokens, pad=None):

@@ -8,14 +8,24 @@ WEIGHT_DECIMALS = 6  # the recorded weights are within 5e-7 of the model's
 MAX_WEIGHTS = 2**23  # attention weights one recording may hold: ~8 bytes each in the page, so ~70 MB
 
 
-def weights_to_record(config, prompt_len: int, max_new_tokens: int) -> int:
+def weights_to_record(config, prompt_len: int, max_new_tokens: int, kv_cache: bool = True) -> int:
     """At most how many attention weights recording `max_new_tokens` tokens after a prompt of
-    prompt_len keeps: per token, every head of every layer over at most block_size cells (or, for a
-    model without a last position, the whole context)."""
-    keys = prompt_len + max_new_tokens
-    if config.max_positions is not None:
-        keys = min(keys, config.block_size)
-    return max_new_tokens * config.n_layer * config.n_head * keys
+    prompt_len keeps: per token, every head of every layer over the cells it read. The token made
+    after n tokens: with the cache, a windowed layer's sinks and at most its window (a ring's cells,
+    all of them once it is full), another layer's at most block_size; without, the context the
+    forward ran (at most context_size, every layer)."""
+    if not kv_cache:
+        return config.n_layer * config.n_head * keys_summed(prompt_len, max_new_tokens, config.context_size)
+    per_head = sum(keys_summed(prompt_len, max_new_tokens, config.block_size) if window is None else
+                   max_new_tokens * config.attn_sinks + keys_summed(prompt_len, max_new_tokens, window)
+                   for window in config.windows)
+    return config.n_head * per_head
+
+
+def keys_summed(first: int, count: int, cap: int | None = None) -> int:
+    """The sum of min(n, cap) over n = first .. first + count - 1 (cap None: of n), in closed form."""
+    below = count if cap is None else max(0, min(count, cap - first))   # the terms n < cap
+    return below * (2 * first + below - 1) // 2 + (count - below) * (cap or 0)
 
 
 class DecodeRecorder:

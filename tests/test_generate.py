@@ -14,6 +14,8 @@ from cli.configs import quote_literal_options
 from data.tokenizer import BPETokenizer, CharTokenizer, HFTokenizer
 from generate import LITERAL_OPTIONS, GenerateConfig, cache_positions, print_samples, sample
 from model import checkpoint
+from model.generation import stream
+from model.sampling import Sampling
 from tests.helpers import (
     HF_FAMILIES,
     MULTI_BYTE,
@@ -92,6 +94,68 @@ def test_each_sample_is_what_its_seed_gives_for_its_prompt_alone(tiny_ckpt, tmp_
     assert run(prompt_file=str(tmp_path / "p.txt"), num_samples=2, seed=3, prefill_chunk=3) == batched
 
 
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_samples_of_a_prompt_past_block_size_on_a_ring_model_are_each_the_prompt_alone(tiny_ckpt, tmp_path,
+                                                                                       sinks):
+    """A window model with RoPE generates without end (its cache a ring): three samples of a prompt
+    longer than block_size (16) share it, and each is what its seed gives for the prompt alone."""
+    model = tiny_model(vocab_size=65, block_size=16, n_layer=3, pos_emb="rope", attn_window=16,
+                       attn_sinks=sinks)  # 46 tokens of receptive field without sinks
+    checkpoint.save(tmp_path / "ring.pt", checkpoint.Checkpoint(
+        model=model.state_dict(), model_config=model.config, data_meta=checkpoint.load(tiny_ckpt).data_meta))
+    prompt = "First Citizen: Before we proceed"  # 32 characters
+    run = lambda **kw: sample(GenerateConfig(ckpt=str(tmp_path / "ring.pt"), prompt=prompt, max_new_tokens=8,
+                                             **kw), out=io.StringIO())
+    assert run(num_samples=3, seed=3) == [run(seed=3 + j)[0] for j in range(3)]
+
+
+def test_a_prompt_the_tokenizer_cannot_take_is_one_line_naming_prompt(tiny_ckpt, tmp_path):
+    """A char model whose vocabulary has no newline, given no prompt (the default is a newline) or
+    one with a character it lacks; a prompt_file likewise; a prompt byte that is not UTF-8 (a shell
+    argument in another encoding: a surrogate escape, which tiktoken silently replaced and
+    `tokenizers` raised a TypeError on), for a char model and GPT-2's BPE alike."""
+    letters = tiny_model()  # 37 token ids: a char vocabulary of 37 letters, no newline
+    vocab = [chr(c) for c in range(ord("A"), ord("A") + 37)]
+    char_meta = {"tokenizer": "char", "vocab": vocab, "vocab_size": 37}
+    for name, model, meta in [("letters.pt", letters, char_meta),
+                              ("bpe.pt", tiny_model(vocab_size=50257), checkpoint.GPT2_DATA_META)]:
+        checkpoint.save(tmp_path / name, checkpoint.Checkpoint(model=model.state_dict(),
+                                                               model_config=model.config, data_meta=meta))
+    (tmp_path / "prompts.txt").write_text("ABC\nAé\n")
+    letters = f"ckpt={tmp_path / 'letters.pt'}"
+    for args, message in [
+        ([letters], "prompt: characters not in this model's vocabulary: '\\n' (a newline is the prompt when "
+                    "none is given): give prompt=... in the characters it has"),
+        ([letters, "prompt=Aé"], "prompt: characters not in this model's vocabulary: 'é': give prompt=..."),
+        ([letters, f"prompt_file={tmp_path / 'prompts.txt'}"], "prompt_file: characters not in this model's "
+                                                              "vocabulary: 'é': edit the prompts"),
+        *[([ckpt, "prompt=AB\udcffC"], "prompt is not UTF-8: byte 0xff at offset 2")
+          for ckpt in (letters, f"ckpt={tmp_path / 'bpe.pt'}", f"ckpt={tiny_ckpt}")]]:
+        assert_one_line_error(generate_cli(*args, "max_new_tokens=2"), message)
+
+
+def test_a_sample_a_model_cannot_make_is_refused_before_anything_is_printed_or_written(tiny_ckpt, tmp_path):
+    """A window model with learned positions ends at block_size (32): asked past it (the default
+    prompt and 100 tokens, a prompt longer than the block, several samples, with a benchmark or an
+    attention plot), it printed the streamed prompt, or wrote the plot, then failed. `stream` checks
+    its arguments when called, not at the first token, and the plot waits for that check."""
+    model = tiny_model(vocab_size=65, block_size=32, attn_window=8)
+    checkpoint.save(tmp_path / "w.pt", checkpoint.Checkpoint(
+        model=model.state_dict(), model_config=model.config, data_meta=checkpoint.load(tiny_ckpt).data_meta))
+    png, ckpt = tmp_path / "attn.png", f"ckpt={tmp_path / 'w.pt'}"
+    refused = "exceed block_size=32: a sliding-window model (attn_window) with learned positions generates"
+    for args in (["max_new_tokens=100"], ["prompt=" + "ROMEO: " * 6, "max_new_tokens=1"],
+                 ["max_new_tokens=40", "num_samples=2", f"attn_plot={png}"],
+                 ["max_new_tokens=40", "benchmark=true", f"attn_plot={png}"]):
+        result = generate_cli(ckpt, *args)
+        assert_one_line_error(result, refused)
+        assert result.stdout == "" and not png.exists(), args
+    with pytest.raises(ValueError, match="exceed block_size"):
+        stream(model, torch.zeros(1, 30, dtype=torch.long), Sampling(3))  # no token asked for
+    result = generate_cli(ckpt, "max_new_tokens=31", "num_samples=2", f"attn_plot={png}")
+    assert result.returncode == 0 and png.is_file(), result.stderr  # 1 + 31 tokens: the whole block
+
+
 def test_cli_stop_string(tiny_ckpt):
     result = generate_cli(f"ckpt={tiny_ckpt}", "prompt=a", "max_new_tokens=200", "stop=e",
                           "temperature=1.0", "top_k=null")
@@ -151,7 +215,7 @@ def test_a_plot_the_disk_refuses_names_attn_plot_and_keeps_the_earlier_file(tiny
     (["inspect=a.html", "prompt_file=README.md"], "inspect=a.html shows one sample: give one prompt, not a "
                                                   "prompt_file of"),
     (["inspect=a.html", "max_new_tokens=100000"], "inspect=a.html: max_new_tokens=100000 would record "
-                                                  "25,600,000 attention weights (~195 MB of page)"),
+                                                  "25,596,032 attention weights (~195 MB of page)"),
 ])
 def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)

@@ -40,12 +40,21 @@ def small_disk():
     resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
+def small_memory():
+    """In a child: at most 2 GiB of address space (RLIMIT_AS, as `ulimit -v 2097152`), ~1 GiB more
+    than a tiny run's imports take."""
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+
 # The processes of tests that need nothing but a folder, started with this module's first test
 # (started_early): their seconds of imports and training run beside the tests before them, most
 # of which leave a core idle.
 STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
     "test_a_full_disk_is_one_line_and_leaves_no_temp_file": lambda tiny_run, run_dir: start_cli(
         "train.py", *tiny_run, f"hydra.run.dir={run_dir}", preexec_fn=small_disk),
+    "test_an_allocation_that_fails_is_one_line_naming_the_batch_size": lambda tiny_run, run_dir: start_cli(
+        "train.py", *tiny_run, "train.batch_size=80000", "train.eval_iters=1", "train.max_iters=1",
+        f"hydra.run.dir={run_dir}", preexec_fn=small_memory),
     "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir: start_cli(
         "-c", "import sys; from tests.helpers import compose, train_checked; "
               f"train_checked(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
@@ -425,6 +434,15 @@ def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
     assert_one_line_error(finish(proc), f"error: hydra.run.dir: cannot write checkpoint {run_dir}/ckpt.pt: "
                                         f"File too large")
     assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
+
+
+def test_an_allocation_that_fails_is_one_line_naming_the_batch_size(early_run):
+    """A batch of 80,000 x 32 tokens (~9 GiB a step, by check_fits's count) in 2 GiB of address space
+    (small_memory): the allocator's failure, which check_fits cannot foresee under a limit below the
+    machine's memory, is one line saying what to lower (on a machine of less than ~9 GiB, check_fits's
+    own line says it first)."""
+    result = finish(early_run[0])
+    assert_one_line_error(result, "lower train.batch_size")
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):

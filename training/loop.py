@@ -23,10 +23,11 @@ from model.generation import sample_ids
 from training.distributed import init_distributed, mean_over_ranks, print0
 from training.evaluation import estimate_loss, split_loss
 from training.optimizer import configure_optimizer
-from training.options import RunConfig, TrainConfig
+from training.options import RunConfig, TrainConfig, out_of_memory
 from training.plots import import_in_background, plot_losses
 from training.rng import restore_rng, rng_states_of_ranks, seed_rngs
 from training.run_dir import (
+    LOSS_PLOT,
     MetricsLog,
     claim_run_dir,
     release_run_dir,
@@ -193,6 +194,10 @@ def train(run: RunConfig, run_dir) -> dict:
                 # inside: a signal during the whole split's loss or the sample stops them cleanly too, not
                 # the process, which would kill the last checkpoint's write (in the background till then)
                 return finish(state, log, amp, stop)
+    except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        if (error := out_of_memory(e, cfg.batch_size, device)) is None:
+            raise
+        raise error from e
     finally:
         release_run_dir(run_dir)
 
@@ -235,7 +240,7 @@ def finish(state: TrainingState, log: MetricsLog, amp, stop: list) -> dict:
         return {"interrupted": stop[0], "step": state.step, "checkpoint": path, "run_dir": run_dir}
     if state.rank == 0:
         with run_dir_write():
-            plot_losses(run_dir, run_dir / "loss.png")
+            plot_losses(run_dir, run_dir / LOSS_PLOT)
         if cfg.sample_tokens > 0:
             tok = tokenizer_from_meta(state.run.meta)
             with eager(state):

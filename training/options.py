@@ -1,8 +1,10 @@
 """A training run's options: `TrainConfig`, the `train` group's schema (each value checked when it is
 made), and `RunConfig`, every option of a run checked (cli.options.check_options makes it) and all
-that `training.loop.train` reads; and whether a model and a batch fit in a device's memory."""
+that `training.loop.train` reads; and whether a model and a batch fit in a device's memory (and the
+error, naming train.batch_size, when an allocation fails all the same)."""
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,10 @@ MAX_COUNTS = {
                            "train.full_val's"),
     "sample_tokens": (10_000, "the sample printed at the end; python generate.py streams longer ones"),
 }
+
+# train.peak_tflops, MFU's denominator, within what a device could do: a GFLOP/s to an exaFLOP/s (an
+# MFU over 1e-320 TFLOP/s overflowed to Infinity, which no JSON reader takes).
+MIN_PEAK_TFLOPS, MAX_PEAK_TFLOPS = 1e-3, 1_000_000
 
 
 @dataclass
@@ -62,7 +68,9 @@ class TrainConfig:
         rules = {">= 1": (lambda v: v >= 1, "batch_size grad_accum eval_interval eval_iters log_interval"),
                  ">= 0": (lambda v: v >= 0, "seed max_iters warmup_iters lr_decay_iters min_lr weight_decay "
                                             "grad_clip sample_tokens"),
-                 "> 0": (lambda v: v is None or v > 0, "lr peak_tflops"),
+                 "> 0": (lambda v: v > 0, "lr"),
+                 f"a device's peak, {MIN_PEAK_TFLOPS:g} to {MAX_PEAK_TFLOPS:,} (TFLOP/s), or null": (
+                     lambda v: v is None or MIN_PEAK_TFLOPS <= v <= MAX_PEAK_TFLOPS, "peak_tflops"),
                  "in [0, 1)": (lambda v: 0 <= v < 1, "beta1 beta2"),
                  "one of auto, float32, bfloat16": (lambda v: v in ("auto", "float32", "bfloat16"), "dtype"),
                  "one of auto, true, false, blocks": (
@@ -117,6 +125,25 @@ def check_fits(model: GPTConfig, batch_size: int, device: torch.device, dtype: s
                          f"{batch_size} x {c.block_size} tokens), more than the {have / 2**30:,.1f} GiB of "
                          f"{device}: lower train.batch_size or the model's size (model.n_layer, n_embd, "
                          f"block_size, vocab_size)")
+
+
+def out_of_memory(error: BaseException, batch_size: int, device: torch.device) -> MemoryError | None:
+    """The user's error for an allocation that failed while training (a CPU allocator's RuntimeError,
+    Python's MemoryError, CUDA's torch.OutOfMemoryError): what check_fits could not foresee, such as
+    a memory limit below the machine's (ulimit -v, a container's) or memory other processes hold.
+    None for any other error."""
+    text = str(error)
+    if not (isinstance(error, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in text
+            or "out of memory" in text.lower()):
+        return None
+    size = re.search(r"tried to allocate (\d+ bytes|[\d.]+ [KMGT]i?B)", text, re.IGNORECASE)
+    if size and size[1].endswith("bytes"):
+        tried = f" (an allocation of {int(size[1].split()[0]) / 2**30:,.2f} GiB failed)"
+    else:
+        tried = f" (an allocation of {size[1]} failed)" if size else ""
+    return MemoryError(f"out of memory on {device}{tried}: lower train.batch_size={batch_size} (raise "
+                       f"train.grad_accum to keep the tokens per step) or the model's size (model.n_layer, "
+                       f"n_embd, block_size)")
 
 
 def training_step_bytes(c: GPTConfig, batch_size: int, activation_bytes: int = 4) -> tuple[int, int]:

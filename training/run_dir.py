@@ -9,6 +9,7 @@ line names as its option.
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -29,6 +30,7 @@ except ImportError:
 
 METRICS_FILE = "metrics.jsonl"  # one JSON record per line
 RUN_MARKERS = (*RUN_FILES, METRICS_FILE)  # a folder holding any of these holds a run
+LOSS_PLOT = "loss.png"  # the run's loss curves, drawn at the end
 LOCK_FILE = ".lock"  # flock-ed by the one process training in a run dir
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -122,7 +124,9 @@ def remove_stale_temp_files(run_dir) -> list[Path]:
 
 
 def unlink_temp_files(run_dir: Path) -> list[Path]:
-    temps = [p for name in RUN_FILES for p in run_dir.glob(f".{name}.*")]
+    """The temp files (`.<name>.*`, write_atomically's where a file cannot be unnamed: another OS or
+    file system, or an older version) of the files a run writes whole, deleted."""
+    temps = [p for name in (*RUN_FILES, LOSS_PLOT) for p in run_dir.glob(f".{name}.*")]
     for temp in temps:
         temp.unlink(missing_ok=True)
     return temps
@@ -159,6 +163,18 @@ def append_line(path: Path, line: str, sync: bool = False) -> None:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def json_line(record: dict) -> str:
+    """The record as one line of JSON: a number that is not finite (which Python's json would write
+    as NaN or Infinity, JavaScript's words, which other readers refuse) becomes null."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: finite(v) for k, v in value.items()}
+        return [finite(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return json.dumps(finite(record), allow_nan=False)
 
 
 def read_metrics(run_dir) -> list[dict]:
@@ -207,7 +223,7 @@ class MetricsLog:
         entry["elapsed_s"] = time.perf_counter() - self.start
         if self.master:
             with run_dir_write():
-                append_line(self.path, json.dumps(entry))
+                append_line(self.path, json_line(entry))
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in entry.items() if k != "step"}, step=entry["step"])
 

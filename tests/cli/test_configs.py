@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import subprocess
 import typing
 
 import pytest
@@ -125,6 +126,8 @@ def test_the_default_recipe_follows_the_training_device(argv, cuda, recipe, caps
     ("train.cuda_graph=true train.optimizer=muon", "train.cuda_graph"),
     ("data.val_fraction=1.5", "data.val_fraction"), ("train.min_lr=0.5", "train.min_lr"),
     ("train.lr=nan", "train.lr"), ("train.device=tpu", "train.device"),
+    ("train.peak_tflops=1e-320", "train.peak_tflops"), ("train.peak_tflops=0", "train.peak_tflops"),
+    ("train.peak_tflops=1e300", "train.peak_tflops"),
     ("train.device=cuda:x", "train.device"),
     ("data.tokenizer=words", "data.tokenizer"), ("train.optimizer=sgd", "train.optimizer"),
 ])
@@ -168,13 +171,31 @@ def test_hydra_rejects_the_wrong_type_before_anything_runs_in_one_line(args):
     (["train.py", "model.n_layr=3"], "Could not override 'model.n_layr': Key 'n_layr' not in 'GPTConfig'"),
     (["train.py", "experiment=nope"], "Could not find 'experiment/nope' (options in 'experiment': "
                                       "shakespeare_bpe, shakespeare_char, shakespeare_char_cpu,"),
-    (["train.py", "attention=mha,gqa"], "Ambiguous value for argument 'attention=mha,gqa'"),
+    (["train.py", "attention=mha,gqa"], "attention=mha,gqa is a list of values: for a list, attention=[...]; "
+                                        "for a sweep, --multirun; for text, quote the value"),
     (["train.py", "data.path=[a,b"], "no viable alternative at input '[a,b'"),
     (["-m", "cli.prepare", "data=nope"], "Could not find 'data/nope'"),
     (["benchmarks/attention_study.py", "study.uptrain_iters=x"], "Error merging override study.uptrain"),
 ])
 def test_what_hydra_rejects_is_one_line_too(args, message):
     assert_one_line_error(run_in_process(*args), message)
+
+
+@pytest.mark.parametrize("value", ["it's (x).txt", 'a "b" (x).txt', "a b,c.txt", "a'b,c", "x${y}.txt",
+                                   "x${y}(.txt", "a!b(.txt", "back\\slash(.txt", "$HOME(`x`)\\"])
+def test_the_hint_to_quote_a_value_for_hydra_works_as_given(value, tmp_path):
+    """A value Hydra's grammar refuses, a comma makes a list or `${` an interpolation is refused
+    with the override to type instead; typed in a real shell (sh), it hands train.py the value as
+    text: data.path is that file (missing here, which the message says with the path as given)."""
+    run = lambda *args: run_in_process("train.py", "experiment=shakespeare_char_cpu", "data=text_files",
+                                       *args, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    hinted = run(f"data.path={value}")
+    assert_one_line_error(hinted, "quote the value for Hydra, in a shell ")
+    typed = hinted.stderr.strip().split("in a shell ", 1)[1]
+    argv = subprocess.run(["sh", "-c", f"printf '%s\\0' {typed}"], capture_output=True, text=True,
+                          check=True).stdout.split("\0")[:-1]
+    assert len(argv) == 1 and argv[0].startswith("data.path=")
+    assert_one_line_error(run(*argv), f"data.path: no such file: {value}")
 
 
 def test_range_error_on_the_command_line_is_one_line(tmp_path):

@@ -95,6 +95,28 @@ def test_a_prompt_past_block_size_goes_into_a_ring_a_block_at_a_time(kind):
         assert torch.equal(generate(model, prompt, 6, temperature=0, **other), tokens), other
 
 
+LONG_PREFIX = ENDLESS | {"window = block": {"attn_window": 24}}  # 47 tokens of receptive field
+
+
+@pytest.mark.parametrize("kind", LONG_PREFIX)
+def test_rows_sharing_a_prefix_past_block_size_are_each_their_prompt_alone(kind):
+    """A ring model's prompt of any length goes into its cache (sinks: all of it; no sinks: what is
+    within its receptive field). Rows sharing a prefix longer than block_size (24): three samples of
+    one 40-token prompt (the prefix, all of it, fed once), or prompts of 41, 44 and 46 tokens sharing
+    their first 38 (each row's prefix at its own columns: a plain prefix holds block_size of it).
+    Each row, in one pass or in chunks, draws what its prompt alone draws, from the same logits."""
+    model = cache_kind_model(LONG_PREFIX[kind])
+    prefix = prompts_sharing_a_prefix(lengths=(40,), shared=38)[0]
+    for prompts in ([prefix] * 3, prompts_sharing_a_prefix(lengths=(41, 44, 46), shared=38)):
+        alone = [stream_logits(model, [prompt], 6) for prompt in prompts]
+        for fill in FILLS.values():
+            rows, logits = stream_logits(model, prompts, 6, **fill)
+            for r, (row_alone, logits_alone) in enumerate(alone):
+                assert torch.equal(rows[r], row_alone[0]), (fill, r)
+                torch.testing.assert_close(torch.stack([step[r % len(step)] for step in logits]),
+                                           torch.cat(logits_alone), atol=1e-5, rtol=0)  # (a 1-row prefill)
+
+
 def test_a_prefill_chunk_is_checked_once():
     with pytest.raises(ValueError, match="prefill_chunk must be an integer >= 1, got 0"):
         generate(tiny_model(), torch.zeros(1, 3, dtype=torch.long), 2, prefill_chunk=0)

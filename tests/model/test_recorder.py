@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from model.generation import left_pad, stream
-from model.recorder import DecodeRecorder, weights_to_record
+from model.recorder import MAX_WEIGHTS, DecodeRecorder, weights_to_record
 from model.sampling import Sampling
-from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_model
+from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_config, tiny_model
 
 # Every attention option with RoPE, and full attention with learned positions; a prompt of 30 tokens
 # with 12 new is past block_size (24): full layers refill, rings wrap, a long prompt is cut.
@@ -96,6 +96,17 @@ def check_weights(model, record, kind):
                                        atol=tolerance + 1e-5, rtol=0)
 
 
+def check_bound(record, config, kv_cache):
+    """weights_to_record bounds the weights the recording keeps: exactly where every cache group is a
+    ring (full after the prompt) or, uncached, the context runs from the first token (sinks) or is
+    the model's receptive field."""
+    kept = sum(len(head) for step in record["steps"] for layer in step["weights"] for head in layer)
+    bound = weights_to_record(config, PROMPT, NEW, kv_cache)
+    assert kept <= bound
+    if config.max_positions is None:
+        assert kept == bound, (kept, bound)
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_the_record_is_the_decodes_own(name):
     model = MODELS[name]()
@@ -110,6 +121,7 @@ def test_the_record_is_the_decodes_own(name):
         for s, step in enumerate(record["steps"]):
             check_layout(step, s, PROMPT + s, record, model.config)
         check_weights(model, record, kind)
+        check_bound(record, model.config, kw["kv_cache"])
         if kind == "int8":  # K and V (inside K for MLA) of what each step wrote, a little off
             errors = torch.tensor([[e for e in group if e is not None] for s in record["steps"]
                                    for group in s["errors"]])
@@ -149,7 +161,19 @@ def test_the_recorder_leaves_the_model_as_it_was():
 
 
 def test_weights_to_record_bounds_the_page():
+    """Per new token, every head of every layer over the cells it reads: at most block_size (or the
+    context) where a layer sees the whole block; a windowed layer's sinks and window with the cache;
+    without it, the context each forward runs (all of it with sinks)."""
     config = tiny_model().config  # 2 layers x 4 heads, block 24
-    assert weights_to_record(config, 30, 20) == 20 * 2 * 4 * 24
-    endless = cache_kind_model(ENDLESS["window, sinks"]).config  # no last position: the whole context
-    assert weights_to_record(endless, 30, 20) == 20 * 2 * 4 * 50
+    assert weights_to_record(config, 30, 20) == weights_to_record(config, 30, 20, False) == 20 * 2 * 4 * 24
+    assert weights_to_record(config, 4, 3) == 3 * 2 * 4 * 5  # (4 + 5 + 6 keys)
+    endless = cache_kind_model(ENDLESS["window, sinks"]).config  # a ring: 2 sinks + 6
+    assert weights_to_record(endless, 30, 20) == 20 * 2 * 4 * 8
+    assert weights_to_record(endless, 30, 20, kv_cache=False) == sum(range(30, 50)) * 2 * 4
+    mixed = cache_kind_model(BOUNDED["local/global"]).config  # SSL: 3 of 4 layers within 5
+    assert weights_to_record(mixed, 30, 20) == 20 * 4 * (3 * 5 + 24)
+    # A GPT-2-sized ring model (12 layers x 12 heads, window 256 + 4 sinks) inspects 100 tokens
+    # after a 1,000-token prompt: 3.7M weights, where the whole context's would be 15.8M.
+    ring = tiny_config(block_size=1024, n_layer=12, n_head=12, n_embd=48, pos_emb="rope", attn_window=256,
+                       attn_sinks=4)
+    assert weights_to_record(ring, 1000, 100) == 100 * 12 * 12 * 260 <= MAX_WEIGHTS

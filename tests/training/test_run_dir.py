@@ -2,6 +2,7 @@
 files, the metrics file written a whole line at a time and read back, and the RNG state each
 process restores."""
 
+import json
 import random
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_a_run_dir_is_claimed_once_and_never_over_a_run(tmp_path):
 def test_temp_files_of_a_killed_save_go_at_the_next_start_unless_a_writer_lives(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    litter = [run_dir / ".ckpt.pt.abc123", run_dir / ".best.pt.x9"]
+    litter = [run_dir / ".ckpt.pt.abc123", run_dir / ".best.pt.x9", run_dir / ".loss.png.k2j4"]
     for temp in litter:
         temp.write_bytes(b"half a checkpoint")
     (run_dir / "keep.txt").touch()
@@ -120,3 +121,20 @@ def test_a_metrics_line_the_disk_refuses_part_way_is_cut_off_and_the_earlier_lin
         log.record({"step": 2, "loss": 1.5, "lr": 0.001})
     log.close()
     assert (tmp_path / "metrics.jsonl").read_bytes() == earlier and len(read_metrics(tmp_path)) == 1
+
+
+def test_a_number_that_is_not_finite_is_written_as_null_never_as_non_json(tmp_path):
+    """Python's json writes NaN and Infinity, which a strict reader (JavaScript's, jq, pandas' default)
+    refuses: a diverged val loss or an overflowed MFU is null, in a line any JSON reader takes."""
+    log = MetricsLog(tmp_path, {"wandb": {"mode": "disabled", "project": "p", "name": None}}, True, 0, 9)
+    log.record({"step": 1, "val_loss": float("nan"), "mfu": float("inf"), "lr": -float("inf"), "loss": 2.5,
+                "nested": [float("nan"), {"x": float("inf")}]})
+    log.close()
+
+    def refuse(word):
+        raise ValueError(f"not JSON: {word}")
+
+    (line,) = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(line, parse_constant=refuse)
+    assert {k: record[k] for k in ("val_loss", "mfu", "lr", "loss", "nested")} == {
+        "val_loss": None, "mfu": None, "lr": None, "loss": 2.5, "nested": [None, {"x": None}]}
