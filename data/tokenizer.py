@@ -99,7 +99,11 @@ class HFTokenizer:
         self.byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        try:
+            return self.tokenizer.encode(text).ids
+        except TypeError:  # tokenizers' word for a str Rust cannot hold: one with a lone surrogate
+            check_utf8(text)
+            raise
 
     def decode(self, ids) -> str:
         return b"".join(map(self.token_bytes, token_ids(ids, self.vocab_size))).decode("utf-8", "replace")
@@ -114,6 +118,19 @@ class HFTokenizer:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte of its own
             return bytes([int(piece[3:5], 16)])
         return piece.replace("▁", " ").encode()
+
+
+def check_utf8(text: str, what: str = "text") -> None:
+    """text is Unicode that UTF-8 can hold: a lone surrogate (a byte that was not UTF-8, as Python
+    hands over a command-line argument: a surrogate escape) is a ValueError naming `what` and where,
+    as read_text_files says of a file."""
+    bad = next((i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF), None)
+    if bad is not None:
+        offset, code = len(text[:bad].encode()), ord(text[bad])
+        escaped = 0xDC80 <= code <= 0xDCFF  # the byte code - 0xDC00, as surrogateescape hands it over
+        byte = f"byte 0x{code - 0xDC00:02x}" if escaped else f"U+{code:04X}, a lone surrogate,"
+        raise ValueError(f"{what} is not UTF-8: {byte} at offset {offset} (a terminal in another "
+                         f"encoding? give it in UTF-8)")
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -211,9 +228,45 @@ def start_ids(tokenizer) -> list[int]:
     return tokenizer.encode("\n")
 
 
+def is_gpt2_bpe(file: Path) -> bool:
+    """Whether the tokenizer.json `file` is GPT-2's BPE itself (as the Hub's GPT-2 folders hold it):
+    GPT-2's 50,257 tokens at GPT-2's ids, merge i making token 256 + i (GPT-2's order: its ids are
+    its merges' ranks), read and written at the byte level as GPT-2 does (no normalizer, no prefix
+    space, no token added to a text, no dropout, <|endoftext|> its one special token). Then our
+    shipped ranks are the same tokenizer. Anything else, or a file it cannot read, is not."""
+    try:
+        tokenizer = json.loads(file.read_text())
+        model, pre = tokenizer["model"], tokenizer["pre_tokenizer"]
+        vocab, merges = model["vocab"], model["merges"]
+        settings = (tokenizer.get("normalizer") is None and pre.get("type") == "ByteLevel"
+                    and not pre.get("add_prefix_space") and pre.get("use_regex", True)
+                    and (tokenizer.get("post_processor") or {}).get("type", "ByteLevel") == "ByteLevel"
+                    and {(t["id"], t["content"]) for t in tokenizer.get("added_tokens") or []}
+                    <= {(GPT2_VOCAB_SIZE - 1, "<|endoftext|>")}
+                    and model.get("type") == "BPE" and model.get("dropout") is None
+                    and not model.get("byte_fallback") and not model.get("continuing_subword_prefix")
+                    and not model.get("end_of_word_suffix"))
+        ids = sorted(vocab.values())
+        if not settings or ids != list(range(GPT2_VOCAB_SIZE)) or len(merges) != GPT2_VOCAB_SIZE - 257 \
+                or vocab.get("<|endoftext|>") != GPT2_VOCAB_SIZE - 1:
+            return False
+        encoding = gpt2_encoding()
+        if any(i != GPT2_VOCAB_SIZE - 1 and bytes(BYTE_LEVEL[c] for c in token)
+               != encoding.decode_single_token_bytes(i) for token, i in vocab.items()):
+            return False
+        pairs = (m.split(" ") if isinstance(m, str) else m for m in merges)  # "a b", or [a, b] (newer)
+        return all(len(pair) == 2 and pair[0] in vocab and pair[1] in vocab
+                   and vocab.get(pair[0] + pair[1]) == 256 + i for i, pair in enumerate(pairs))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (not a tokenizer.json we know)
+        return False
+
+
 def same_tokenizer(meta: dict, other: dict) -> bool:
     """Whether two metas (a prepared dataset's, a checkpoint's) name the same tokenizer, so that
-    every id means the same text: both GPT-2's BPE, or char with the same characters in order."""
+    every id means the same text: both GPT-2's BPE (a Hugging Face folder's tokenizer.json that is
+    GPT-2's BPE itself too), char with the same characters in order, or one tokenizer.json."""
+    meta, other = ({"tokenizer": "bpe"} if m["tokenizer"] == "hf" and is_gpt2_bpe(Path(m["path"])) else m
+                   for m in (meta, other))
     same_kind = meta["tokenizer"] == other["tokenizer"]
     if same_kind and meta["tokenizer"] in ("char", "hf"):
         key = "vocab" if meta["tokenizer"] == "char" else "path"

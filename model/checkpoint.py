@@ -8,6 +8,7 @@ project writes is written (model/ is the layer every other imports, bar data/).
 import dataclasses
 import math
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass, field
 from functools import partial
@@ -17,7 +18,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.pretrained import read_config
+from model.pretrained import FOLDER_FILES, WEIGHT_FILES, folder_family, read_config
 
 RUN_FILES = ("ckpt.pt", "best.pt")  # a run dir's checkpoints: the last state, and the best val loss
 GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
@@ -45,15 +46,20 @@ FIELD_TYPES = {"data_meta": dict, "config": dict, "step": int, "best_val": (floa
 
 def find(path, prefer: str = "ckpt.pt") -> Path:
     """A checkpoint file, or the one in a run dir: `prefer` (ckpt.pt, the last, to resume;
-    best.pt to sample), else the other."""
+    best.pt to sample), else the other. One file of a Hugging Face folder is not a model: the
+    folder is (is_pretrained), and a ValueError says so."""
     path = Path(path).expanduser()
     if path.is_dir():
         for name in sorted(RUN_FILES, key=lambda n: n != prefer):
             if (path / name).is_file():
                 return path / name
-        raise FileNotFoundError(f"no checkpoint ({' or '.join(RUN_FILES)}) in {path}")
+        hf = f", nor is it a Hugging Face model folder: it has a config.json but no weights " \
+             f"({' or '.join(WEIGHT_FILES)})" if (path / "config.json").is_file() else ""
+        raise FileNotFoundError(f"no checkpoint ({' or '.join(RUN_FILES)}) in {path}{hf}")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.name in FOLDER_FILES or path.suffix == ".safetensors":  # (a shard: model-00001-of-00004...)
+        raise ValueError(f"{path} is one file of a Hugging Face model folder: give the folder, {path.parent}")
     return path
 
 
@@ -109,16 +115,18 @@ def write_atomically(path, write, what: str = "file") -> Path:
     all. `write(file)` fills a temp file in path's folder (open for binary writing), which is
     fsync-ed and renamed over path. On any failure (a full disk, a file-size limit, path a folder)
     the temp file goes and the file at path stays as it was; a write the disk refused is an OSError
-    `cannot write <what> <path>: <why>`, which says whether an earlier file is kept."""
+    `cannot write <what> <path>: <why>`, which says whether an earlier file is kept. On Linux the
+    temp file has no name until it is complete (O_TMPFILE), so a process killed while writing
+    leaves nothing behind; elsewhere it is `.<name>.XXXXXXXX` (a run dir's go when a run starts)."""
     path, tmp = Path(path), None
     kept = "; the previous one is intact" if path.is_file() else ""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        fd, tmp = open_temp(path)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the file
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would give
+            tmp = tmp or name_unnamed(f.fileno(), path)
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
@@ -127,6 +135,37 @@ def write_atomically(path, write, what: str = "file") -> Path:
             raise type(e)(f"cannot write {what} {path}: {e.strerror or e}{kept}") from e
         raise
     return path
+
+
+def open_temp(path: Path, unnamed: bool = True) -> tuple[int, str | None]:
+    """(fd, its name) of a new file in path's folder, open for writing, with the permissions open()
+    gives: an unnamed one where the OS and file system have them (`unnamed`; name None), which
+    vanishes with the process, else a `.<name>.XXXXXXXX` of tempfile.mkstemp's."""
+    if unnamed and hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd"):
+        try:
+            return os.open(path.parent, os.O_TMPFILE | os.O_WRONLY, 0o666), None  # 0o666 & ~umask
+        except OSError:  # not on this file system (or path's folder is not one: mkstemp says so)
+            pass
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's 0600 -> what open() would give
+    return fd, tmp
+
+
+def name_unnamed(fd: int, path: Path) -> str:
+    """Give the complete unnamed file `fd` a free `.<name>.XXXXXXXX` in path's folder (a second
+    name for it, which os.replace then moves to path: linkat cannot replace a file)."""
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(100):
+            name = f".{path.name}.{secrets.token_hex(4)}"
+            try:  # a dir fd makes os.link call linkat with AT_SYMLINK_FOLLOW: the file, not /proc's link
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=folder, follow_symlinks=True)
+                return str(path.parent / name)
+            except FileExistsError:
+                continue
+        raise FileExistsError(f"no free temp file name in {path.parent}")
+    finally:
+        os.close(folder)
 
 
 class ErrorKeepingWriter:
@@ -235,17 +274,25 @@ def init_from(path) -> Checkpoint:
 
 
 def is_pretrained(path) -> bool:
-    """Whether `path` is a Hugging Face model folder (it holds a config.json), not a run of ours."""
-    return (Path(path).expanduser() / "config.json").is_file()
+    """Whether `path` is a Hugging Face model folder: a config.json and its weights (model.safetensors,
+    or the index of its shards). A folder holding a checkpoint of ours (a run dir: ckpt.pt or
+    best.pt) is ours, whatever else it holds."""
+    path = Path(path).expanduser()
+    if any((path / name).is_file() for name in RUN_FILES):
+        return False
+    return (path / "config.json").is_file() and any((path / name).is_file() for name in WEIGHT_FILES)
 
 
 def pretrained_checkpoint(model: GPT, path) -> Checkpoint:
     """What the Hugging Face folder `path` that `model` was read from (GPT.from_pretrained) stands
-    for: its weights and config, and its tokenizer: GPT-2's BPE (shipped: the same ranks) for a
-    GPT-2, else the folder's own tokenizer.json (data.tokenizer.HFTokenizer)."""
+    for: its weights and config, and its tokenizer: the folder's own tokenizer.json
+    (data.tokenizer.HFTokenizer), or for a GPT-2 without one, our shipped copy of GPT-2's BPE. (A
+    tokenizer.json that is GPT-2's BPE itself, as the Hub's GPT-2 folders hold, is the same
+    tokenizer as that copy: data.tokenizer.same_tokenizer, so it finetunes on data prepared with it.)"""
     path = Path(path).expanduser()
-    if read_config(path).get("model_type", "gpt2") == "gpt2":
+    tokenizer = path / "tokenizer.json"
+    if not tokenizer.is_file() and folder_family(read_config(path), path / "config.json") == "gpt2":
         meta = GPT2_DATA_META
     else:
-        meta = {"tokenizer": "hf", "path": str(path / "tokenizer.json"), "vocab": None, "vocab_size": None}
+        meta = {"tokenizer": "hf", "path": str(tokenizer), "vocab": None, "vocab_size": None}
     return Checkpoint(model=model.state_dict(), model_config=model.config, data_meta=meta)

@@ -2,9 +2,12 @@
 and batches."""
 
 import dataclasses
+import functools
 import json
+import math
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from data.tokenizer import (
 )
 from tests.helpers import (
     MULTI_BYTE,
+    ROOT,
     assert_one_line_error,
     data_config,
     disk_full_after,
@@ -96,6 +100,14 @@ def test_a_hugging_face_tokenizer_json_round_trips_and_streams(tmp_path, kind):
     stream = TextStream(tok)
     assert "".join(stream.add(t) for t in ids) + stream.end() == tok.decode(ids)
     assert tok.vocab_size == (300 if kind == "byte_level" else 1 + 256 + 1 + 26 * 2 + 10 + 8)
+
+
+def test_text_that_is_not_utf8_is_a_value_error_saying_where(tmp_path):
+    """A str holding a surrogate escape (a byte that was not UTF-8, as Python hands over a command-line
+    argument): `tokenizers` raised a TypeError ("TextInputSequence must be str") on it."""
+    (tmp_path / "tokenizer.json").write_text(shakespeare_tokenizer())
+    with pytest.raises(ValueError, match=r"^text is not UTF-8: byte 0xfe at offset 5 \(a terminal in"):
+        HFTokenizer(tmp_path / "tokenizer.json").encode("né b\udcfe")
 
 
 def test_a_missing_or_broken_tokenizer_json_is_named(tmp_path):
@@ -266,7 +278,7 @@ def test_a_full_disk_names_the_cache_and_leaves_the_prepared_folders_as_they_wer
         result = run_prepare(*options, f"data.path={tmp_path}/b.txt")
     assert_one_line_error(result, f"error: data.cache_dir: cannot write to {cache} (")
     assert {p: p.read_bytes() for p in earlier.iterdir()} == files
-    assert sorted(p.name for p in cache.iterdir()) == sorted([earlier.name, "hf"])
+    assert sorted(p.name for p in cache.iterdir() if p.suffix != ".lock") == sorted([earlier.name, "hf"])
 
 
 def test_missing_corpus_file_names_data_path(tmp_path):
@@ -352,3 +364,100 @@ def test_a_prepared_folder_is_checked_against_its_meta_and_healed_without_one(tm
     again = prepare(data_config("data=text_files", f"data.path={tmp_path}/a.txt",
                                 f"data.cache_dir={tmp_path / 'c'}"))
     assert again == prepared and load_prepared(again)[0] == good
+
+
+def test_a_prepared_folder_changed_since_is_refused_when_loaded_and_made_again_by_the_next_run(tmp_path,
+                                                                                               capsys):
+    """An edit that keeps meta.json consistent (two characters of the vocabulary swapped: every
+    token would decode as the other) or train.npy's bytes changed in place, its size kept: loading
+    the folder is one line naming the file and how to redo it; prepare, which every run and
+    `python -m cli.prepare` call first, says so and prepares it again (a cache keyed by its inputs:
+    nothing of the user's is lost), the files as they were."""
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    cfg = data_config("data=text_files", f"data.path={tmp_path}/a.txt", f"data.cache_dir={tmp_path / 'c'}")
+    prepared = prepare(cfg)
+    good = {p.name: p.read_bytes() for p in prepared.iterdir()}
+    meta, train = json.loads(good["meta.json"]), np.load(prepared / "train.npy")
+    swapped = meta | {"vocab": [meta["vocab"][1], meta["vocab"][0], *meta["vocab"][2:]]}
+    shifted = (train + 1) % meta["vocab_size"]  # (uint16: the same bytes long)
+    refused = (rf"^{prepared} is damaged \(meta.json was changed since it was prepared: .*delete it and it "
+               rf"is prepared again \(by the next run, or python -m cli.prepare\)$")
+    for name, write in [("meta.json", lambda: (prepared / "meta.json").write_text(json.dumps(swapped))),
+                        ("train.npy", lambda: np.save(prepared / "train.npy", shifted))]:
+        write()
+        if name == "meta.json":
+            with pytest.raises(ValueError, match=refused):
+                load_prepared(prepared)
+        assert prepare(cfg) == prepared
+        assert capsys.readouterr().err.startswith(f"data: {prepared} is damaged ({name}")
+        assert {p.name: p.read_bytes() for p in prepared.iterdir()} == good
+
+
+def test_the_temp_folder_of_a_killed_preparation_goes_when_the_folder_is_prepared_again(tmp_path):
+    """A preparation killed mid-write (SIGKILL: no cleanup runs) leaves its `.<folder>-XXXX` temp
+    folder of partial arrays in the cache; the next one to prepare that folder holds its lock
+    (`.<folder>.lock`, flock: no live process is writing one) and removes it."""
+    (tmp_path / "a.txt").write_text("some text\n" * 20)
+    cfg = data_config("data=text_files", f"data.path={tmp_path}/a.txt", f"data.cache_dir={tmp_path / 'c'}")
+    prepared = prepare(cfg)
+    shutil.rmtree(prepared)
+    stale = tmp_path / "c" / f".{prepared.name}-k1ll3d"
+    stale.mkdir()
+    (stale / "train.npy").write_bytes(bytes(1 << 20))
+    assert prepare(cfg) == prepared and load_prepared(prepared)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir() if p.name.startswith(".")) == \
+        [f".{prepared.name}.lock"]
+
+
+@functools.cache
+def gpt2_tokenizer_json() -> str:
+    """GPT-2's BPE as a tokenizer.json holds it (the Hub's openai-community/gpt2), from our shipped
+    ranks: each token's merge recovered by running the BPE over its bytes with the ranks below its own."""
+    from data.tokenizer import BYTE_LEVEL, gpt2_encoding
+
+    encoding, text = gpt2_encoding(), {b: c for c, b in BYTE_LEVEL.items()}
+    tokens = [encoding.decode_single_token_bytes(i) for i in range(50256)]
+    ranks = {token: i for i, token in enumerate(tokens)}
+    merges = []
+    for rank in range(256, 50256):
+        parts = [bytes([b]) for b in tokens[rank]]
+        while len(parts) > 2:
+            _, at = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+            parts[at:at + 2] = [parts[at] + parts[at + 1]]
+        merges.append(" ".join("".join(text[b] for b in part) for part in parts))
+    vocab = {"".join(text[b] for b in token): i for i, token in enumerate(tokens)} | {"<|endoftext|>": 50256}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [
+        {"id": 50256, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+         "normalized": True, "special": True}], "normalizer": None,
+        "pre_tokenizer": byte_level | {"add_prefix_space": False},
+        "post_processor": byte_level | {"trim_offsets": False}, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": merges}})
+
+
+@pytest.mark.parametrize("spoil", [
+    None, lambda t: t["model"]["merges"].reverse(),
+    lambda t: t["pre_tokenizer"].update(add_prefix_space=True),
+    lambda t: t.update(normalizer={"type": "Lowercase"}), lambda t: t["model"].update(dropout=0.1),
+    lambda t: t["model"]["vocab"].update({"Ġthe": 50255, "<|endoftext|>": 262}),
+    lambda t: t.update(post_processor={"type": "TemplateProcessing", "single": [], "pair": [],
+                                       "special_tokens": {}}),
+], ids=["gpt2", "merges", "prefix_space", "normalizer", "dropout", "ids", "post_processor"])
+def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
+    """is_gpt2_bpe: the Hub's GPT-2 tokenizer.json encodes every text as our shipped ranks do (one
+    tokenizer: a GPT-2 folder holding it finetunes on data of GPT-2's BPE); one setting or token
+    changed, it is another tokenizer."""
+    from data.tokenizer import BPETokenizer, HFTokenizer, is_gpt2_bpe
+
+    tokenizer = json.loads(gpt2_tokenizer_json())
+    if spoil is not None:
+        spoil(tokenizer)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert is_gpt2_bpe(tmp_path / "tokenizer.json") == (spoil is None)
+    if spoil is None:
+        text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[:3000] + " 12345 ’s  \n\t"
+        assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
+        (tmp_path / "tokenizer.json").write_text("{not json")
+        assert not is_gpt2_bpe(tmp_path / "tokenizer.json")

@@ -5,17 +5,27 @@ precision, init_from, and every field checked when read."""
 import argparse
 import dataclasses
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from cli.errors import naming
 from model import GPT, checkpoint
-from model.checkpoint import Checkpoint, latest_run
+from model.checkpoint import Checkpoint, latest_run, open_temp
 from model.device import Precision
 from model.generation import load_model
 from model.quantize import Int8Linear
-from tests.helpers import assert_one_line_error, disk_full_after, run_in_process, tiny_config, tiny_model
+from tests.helpers import (
+    ROOT,
+    assert_one_line_error,
+    disk_full_after,
+    run_in_process,
+    tiny_config,
+    tiny_model,
+)
 
 
 def write(path, model: GPT, **fields) -> None:
@@ -106,6 +116,43 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_temp_file(tmp_
         write(tmp_path / "ckpt.pt", tiny_model(seed=1), step=2)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
     assert checkpoint.load(tmp_path / "ckpt.pt").step == 1
+
+
+# A process writing 16 MB through write_atomically, then waiting to be killed.
+KILLED_WRITER = """import sys, time
+from model.checkpoint import write_atomically
+def write(f):
+    f.write(bytes(16 << 20))
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+write_atomically(sys.argv[1], write, "checkpoint")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="unnamed files are Linux's (O_TMPFILE)")
+def test_a_process_killed_while_writing_leaves_nothing_in_the_folder(tmp_path):
+    """SIGKILL mid-write (no handler runs): its file had no name yet, so the folder holds what it held."""
+    (tmp_path / "ckpt.pt").write_bytes(b"earlier")
+    writer = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(tmp_path / "ckpt.pt")], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+    finally:
+        writer.kill()
+        writer.wait()
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"earlier"
+
+
+def test_where_files_cannot_be_unnamed_the_temp_file_is_named_and_follows_the_umask(tmp_path):
+    """The fallback (no O_TMPFILE: another OS or file system) writes `.<name>.XXXXXXXX`, which a run
+    dir's next run removes (training/run_dir.py), with the permissions open() gives."""
+    (tmp_path / "plain").write_text("")
+    fd, name = open_temp(tmp_path / "ckpt.pt", unnamed=False)
+    os.close(fd)
+    assert os.path.dirname(name) == str(tmp_path) and os.path.basename(name).startswith(".ckpt.pt.")
+    assert os.stat(name).st_mode == (tmp_path / "plain").stat().st_mode
 
 
 def test_the_latest_run_is_the_one_written_last(tmp_path):
@@ -240,3 +287,61 @@ def test_a_checkpoint_saved_under_two_names_is_one_file_until_one_is_replaced(tm
     write(tmp_path / "ckpt.pt", tiny_model(), step=3)
     assert checkpoint.load(tmp_path / "best.pt").step == 2 and checkpoint.load(tmp_path / "ckpt.pt").step == 3
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "ckpt.pt"]  # no temp file left
+
+
+# Hugging Face folders among our checkpoints (is_pretrained, find, pretrained_checkpoint).
+
+def test_a_file_of_a_hugging_face_folder_is_refused_naming_the_folder(hf_folders, tmp_path):
+    """ckpt=/init_from= naming model.safetensors, a shard, config.json or tokenizer.json: give the
+    folder, in one line (not torch.load's error, nor a list of the tensors)."""
+    path, hf = hf_folders["qwen2"]
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    files = [path / "model.safetensors", path / "config.json", path / "tokenizer.json",
+             next((tmp_path / "sharded").glob("model-*.safetensors")),
+             tmp_path / "sharded" / "model.safetensors.index.json"]
+    for file in files:
+        for load in (lambda p: load_model(p, "cpu"), checkpoint.init_from):
+            with pytest.raises(ValueError) as error:
+                load(file)
+            message = f"{file} is one file of a Hugging Face model folder: give the folder, {file.parent}"
+            assert str(error.value) == message
+
+
+def test_a_run_dir_holding_a_config_json_is_ours(hf_folders, tmp_path):
+    """A folder with best.pt (or ckpt.pt) is a run of ours, whatever else it holds (here a whole
+    Hugging Face folder's files); a config.json without weights is no Hugging Face folder, which
+    the error says."""
+    shutil.copytree(hf_folders["llama"][0], tmp_path / "run")
+    write(tmp_path / "run" / "best.pt", tiny_model())
+    assert not checkpoint.is_pretrained(tmp_path / "run") and checkpoint.is_pretrained(hf_folders["llama"][0])
+    model, ckpt = load_model(tmp_path / "run", "cpu")
+    assert model.config == tiny_model().config and ckpt.data_meta["tokenizer"] == "char"
+    assert checkpoint.init_from(tmp_path / "run").model_config == tiny_model().config
+    (tmp_path / "run" / "best.pt").unlink()
+    (tmp_path / "run" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="nor is it a Hugging Face model folder: it has a "
+                                                "config.json but no weights"):
+        load_model(tmp_path / "run", "cpu")
+
+
+def test_a_gpt2_folder_samples_with_its_own_tokenizer(tmp_path):
+    """A GPT-2 folder's tokenizer.json is its tokenizer (here a BPE of 300 tokens): generate.py's
+    text is transformers' greedy tokens decoded by it. Without one, GPT-2's shipped BPE."""
+    pytest.importorskip("transformers")
+    from data.tokenizer import HFTokenizer
+    from tests.helpers import hf_gpt2, shakespeare_tokenizer
+
+    hf = hf_gpt2(tmp_path / "plain", vocab_size=300, n_positions=64)
+    assert checkpoint.init_from(tmp_path / "plain").data_meta == checkpoint.GPT2_DATA_META
+    shutil.copytree(tmp_path / "plain", tmp_path / "own")
+    (tmp_path / "own" / "tokenizer.json").write_text(shakespeare_tokenizer())
+    own = checkpoint.init_from(tmp_path / "own").data_meta
+    assert own["tokenizer"] == "hf" and own["path"] == str(tmp_path / "own" / "tokenizer.json")
+    tokenizer = HFTokenizer(tmp_path / "own" / "tokenizer.json")
+    prompt = tokenizer.encode("ROMEO: thou art")
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           pad_token_id=0)
+    result = run_in_process("generate.py", f"ckpt={tmp_path / 'own'}", "prompt=ROMEO: thou art",
+                            "max_new_tokens=12", "temperature=0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "ROMEO: thou art" + tokenizer.decode(expected[0, len(prompt):].tolist()) + "\n"

@@ -4,7 +4,6 @@ config fields read as transformers reads them, and what we do not build refused 
 hostile folder (GPT-2's too) refused as our checkpoints are: a value of the wrong kind, a config its
 weights contradict (before anything is built), a NaN or inf; GPT-2's own tokenizer.json told apart."""
 
-import functools
 import json
 import math
 import re
@@ -23,17 +22,14 @@ from model.pretrained import (
     ROPE_KEYS,
     folder_config,
     gpt2_fields,
-    is_gpt2_bpe,
     llama_fields,
 )
 from tests.helpers import (
     HF_FAMILIES,
-    ROOT,
     assert_one_line_error,
-    finish,
     hf_folder,
     hf_gpt2,
-    start_cli,
+    run_in_process,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -360,68 +356,14 @@ def test_a_config_without_model_type_is_read_by_its_architectures(tmp_path, fold
         assert_one_line(error, named, "Qwen3ForCausalLM")
 
 
-@functools.cache
-def gpt2_tokenizer_json() -> str:
-    """GPT-2's BPE as a tokenizer.json holds it (the Hub's openai-community/gpt2), from our shipped
-    ranks: each token's merge recovered by running the BPE over its bytes with the ranks below its own."""
-    from data.tokenizer import BYTE_LEVEL, gpt2_encoding
-
-    encoding, text = gpt2_encoding(), {b: c for c, b in BYTE_LEVEL.items()}
-    tokens = [encoding.decode_single_token_bytes(i) for i in range(50256)]
-    ranks = {token: i for i, token in enumerate(tokens)}
-    merges = []
-    for rank in range(256, 50256):
-        parts = [bytes([b]) for b in tokens[rank]]
-        while len(parts) > 2:
-            _, at = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
-            parts[at:at + 2] = [parts[at] + parts[at + 1]]
-        merges.append(" ".join("".join(text[b] for b in part) for part in parts))
-    vocab = {"".join(text[b] for b in token): i for i, token in enumerate(tokens)} | {"<|endoftext|>": 50256}
-    byte_level = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
-    return json.dumps({"version": "1.0", "truncation": None, "padding": None, "added_tokens": [
-        {"id": 50256, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": True, "special": True}], "normalizer": None,
-        "pre_tokenizer": byte_level | {"add_prefix_space": False},
-        "post_processor": byte_level | {"trim_offsets": False}, "decoder": byte_level,
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
-                  "merges": merges}})
-
-
-@pytest.mark.parametrize("spoil", [
-    None, lambda t: t["model"]["merges"].reverse(),
-    lambda t: t["pre_tokenizer"].update(add_prefix_space=True),
-    lambda t: t.update(normalizer={"type": "Lowercase"}), lambda t: t["model"].update(dropout=0.1),
-    lambda t: t["model"]["vocab"].update({"Ġthe": 50255, "<|endoftext|>": 262}),
-    lambda t: t.update(post_processor={"type": "TemplateProcessing", "single": [], "pair": [],
-                                       "special_tokens": {}}),
-], ids=["gpt2", "merges", "prefix_space", "normalizer", "dropout", "ids", "post_processor"])
-def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
-    """is_gpt2_bpe: the Hub's GPT-2 tokenizer.json encodes every text as our shipped ranks do (one
-    tokenizer: a GPT-2 folder holding it finetunes on data of GPT-2's BPE); one setting or token
-    changed, it is another tokenizer."""
-    from data.tokenizer import BPETokenizer, HFTokenizer
-
-    tokenizer = json.loads(gpt2_tokenizer_json())
-    if spoil is not None:
-        spoil(tokenizer)
-    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
-    assert is_gpt2_bpe(tmp_path / "tokenizer.json") == (spoil is None)
-    if spoil is None:
-        text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[:3000] + " 12345 ’s  \n\t"
-        assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
-        (tmp_path / "tokenizer.json").write_text("{not json")
-        assert not is_gpt2_bpe(tmp_path / "tokenizer.json")
-
-
 def test_a_hostile_folder_is_one_error_line_from_generate(tmp_path, folders):
-    """`python generate.py ckpt=<folder>`, two real processes side by side: a NaN in its weights, a
-    config.json of a million layers over three: `error: <one line>`, exit 1, at once."""
+    """`python generate.py ckpt=<folder>` (run in this process): a NaN in its weights, a config.json
+    of a million layers over three: `error: <one line>`, exit 1, at once."""
     nan = copy_folder(folders["llama"], tmp_path / "nan")
     change_weights(nan, lambda w: w["model.norm.weight"].__setitem__(7, math.nan))
     deep = copy_folder(folders["qwen3"], tmp_path / "deep", num_hidden_layers=10**6)
-    runs = [start_cli("generate.py", f"ckpt={path}", "max_new_tokens=4") for path in (nan, deep)]
-    nan_run, deep_run = (finish(run, timeout=120) for run in runs)
+    nan_run, deep_run = (run_in_process("generate.py", f"ckpt={path}", "max_new_tokens=4")
+                         for path in (nan, deep))
     assert_one_line_error(nan_run, f"{nan / 'model.safetensors'}: its weights hold NaN or inf "
                                    f"(model.norm.weight)")
     assert_one_line_error(deep_run, "num_hidden_layers=1000000, but the weights hold 3 layers")
