@@ -268,14 +268,26 @@ def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 @functools.cache
 def compiled_attend_one_query():
     """Its own compiled kernel for an eager model's int8 steps (dynamic: the cells read grow each
-    step); inside the compiled decode step it is traced into the step's graph instead. Past dynamo's
-    limit of graphs per function (models of many shapes in one process) it runs eagerly: slower, the
-    same numbers. Made on first use: torch.compile imports dynamo and inductor, ~2 s that every
-    process importing this module would otherwise pay at start."""
+    step; one graph for every layer and step of a sample); inside the compiled decode step it is
+    traced into the step's graph instead. Past dynamo's limit of graphs per function it runs
+    eagerly: the same numbers. Made on first use (torch.compile imports dynamo and inductor, ~2 s)."""
     return torch.compile(attend_one_query, dynamic=True)
 
 
-COMPILE_FROM = 2**18  # int8 numbers a group's cache holds from which the compiled kernel pays for compiling
+# The compiled kernel saved ~2-9 ns per int8 number of K a step read, nothing below ~2^17 a step;
+# compiling it took 18-37 s (~5 s from inductor's disk cache). docs/variants.md has the numbers.
+COMPILE_FROM = 2**18  # int8 numbers a group's cache holds from which the compiled kernel is the faster
+PAYS_FROM = 2**32  # int8 numbers of K a decode's steps read, all layers, that save a cold compile
+
+
+def compiling_pays(cache, positions: int, steps: int, layers: int) -> bool:
+    """Whether `steps` one-token steps after `positions` cached ones, by `layers` layers over
+    `cache`'s groups (kv_share: several a group), read PAYS_FROM int8 numbers of K: each step reads
+    its group's cells written so far (at most all of them: a refill or a ring keeps it there).
+    SmolLM2-135M (30 layers, 3 K/V heads of 64) after a prompt of 1,000 reads 2^32 in ~580 steps."""
+    a_step = sum(group.k.tensors[0][:, :, 0].numel() * min(group.cells, positions + steps / 2)
+                 for group in cache.groups)  # (rows x heads x dim numbers a cell) x cells, on average
+    return steps * a_step * layers / len(cache.groups) >= PAYS_FROM
 
 
 def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
@@ -285,16 +297,15 @@ def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 
 def one_query_kernel(q, k: Quantized):
     """attend_one_query as an int8 step runs it: traced into the caller's graph, or through its own
-    compiled kernel. As written while a CUDA graph captures it (dynamo's guards and code are no part
-    of a graph), and over a cache too small for compiling (seconds) to pay off. Small by the whole
-    group cache the keys are read from (all its rows and positions: its storage), not by the part read this
-    step, which grows every step: a cache keeps one kernel from its first step to its last, so a
-    stream never stops mid-sample to compile (the first step over a large cache compiles, or loads
-    the compiled code)."""
+    compiled kernel. As written while a CUDA graph captures it, over a cache too small for the
+    compiled kernel to be faster (COMPILE_FROM: the whole group cache, not the part read, so a cache
+    keeps one kernel from its first step to its last), and for a decode too short to pay for
+    compiling it (k.may_compile, which `stream` sets once per sample from compiling_pays)."""
     if torch.compiler.is_compiling():
         return attend_one_query
     group_numbers = k.values.untyped_storage().nbytes() // k.values.element_size()
-    as_written = group_numbers < COMPILE_FROM or (q.is_cuda and torch.cuda.is_current_stream_capturing())
+    as_written = (not k.may_compile or group_numbers < COMPILE_FROM
+                  or (q.is_cuda and torch.cuda.is_current_stream_capturing()))
     return attend_one_query if as_written else compiled_attend_one_query()
 
 

@@ -9,7 +9,9 @@ a context run into the cache, model/prefill.py's; the compiled step, model/decod
 
 With and without the cache the same tokens come out while prompt + new tokens fit in block_size
 (past it the uncached reference crops the context at every step, the cache refills from the last
-block_size // 2); each row of a batch is generated exactly as its prompt would be alone.
+block_size // 2); each row of a batch is generated as its prompt would be alone. Bit for bit where
+the products of both round alike; else in float32 to float32's rounding, in bfloat16 and int8 to
+theirs (docs/generation.md, "What is exact, and where").
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from model.attention import compiling_pays
 from model.checkpoint import is_pretrained, load, load_weights, pretrained_checkpoint
 from model.config import check_integer
 from model.decode_step import CompiledDecodeStep, CudnnAttentionOff
@@ -146,7 +149,6 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     return [row[p:] for row, p in zip(out, pads)]
 
 
-@torch.no_grad()
 def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad=None, decode_step=None,
            vocab_size=None, kv_dtype=None, prefill_chunk=None, share_prefix=True):
     """Yield the next token of every row, (B,), as `sampling` draws them: max_new_tokens times.
@@ -157,16 +159,30 @@ def stream(model, idx, sampling: Sampling, *, kv_cache=True, generator=None, pad
     Options: `kv_dtype`, what the cache stores (float32, bfloat16, int8; default the model's);
     `prefill_chunk`, prompt tokens per pass (None: at once); `share_prefix`, a prompt prefix the rows
     share computed once; `decode_step`, a `CompiledDecodeStep` whose step and static cache replace
-    the eager ones; `vocab_size`, draw only the ids below it (a tokenizer's). Checked here, once."""
+    the eager ones; `vocab_size`, draw only the ids below it (a tokenizer's). Checked here, once, by
+    the call itself: a generator's body runs at the first token asked for, so a caller that printed
+    the prompt first (a streamed sample) printed it, then failed."""
     decode_step = decode_step if kv_cache else None  # no cache, no decode step
     kv_dtype = check_generation(model, idx, sampling, generator=generator, vocab_size=vocab_size,
                                 decode_step=decode_step, kv_dtype=kv_dtype, pad=pad,
                                 prefill_chunk=prefill_chunk)
+    return drawn(model, idx, sampling, kv_cache, generator, pad, decode_step, vocab_size, kv_dtype,
+                 prefill_chunk, share_prefix)
+
+
+@torch.no_grad()
+def drawn(model, idx, sampling, kv_cache, generator, pad, decode_step, vocab_size, kv_dtype, prefill_chunk,
+          share_prefix):
+    """`stream`'s tokens, its arguments checked."""
     (B, T), max_new_tokens = idx.shape, sampling.max_new_tokens
     context = TokenBuffer(idx, pad, model.config.context_size or T + max_new_tokens, max_new_tokens)
     cache = None if decode_step is None else decode_step.cache  # static: its first B rows serve this call
     if kv_cache and cache is None:
         cache = model.new_kv_cache(B, min(model.config.block_size, T + max_new_tokens), dtype=kv_dtype)
+    if cache is not None and cache.quantized:  # its steps' kernel, one for the sample (one_query_kernel)
+        may_compile = compiling_pays(cache, T, max_new_tokens - 1, model.config.n_layer)
+        for _, _, stored in cache.stores():
+            stored.may_compile = may_compile
     step = decode_step or eager_step(model)
     # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
     step_draws = decode_step.sampler(sampling, vocab_size, generator, B) if decode_step is not None else None

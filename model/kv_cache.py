@@ -128,6 +128,7 @@ class Quantized(NamedTuple):
 
     values: torch.Tensor
     scales: torch.Tensor
+    may_compile: bool = True  # False: attention reads them as written (Int8.may_compile)
 
 
 class Int8(Converted):
@@ -137,6 +138,7 @@ class Int8(Converted):
     inspect page's recorder), `error` says how far the last rows written are from those given."""
 
     keep_error = False
+    may_compile = True  # False: a decode too short for attention's compiled kernel to pay (set by stream)
 
     def __init__(self, rows, heads, cells, dim, dtype, device, compute_dtype, buffer):
         super().__init__(rows, heads, cells, dim, dtype, device, compute_dtype, buffer)
@@ -160,7 +162,7 @@ class Int8(Converted):
     def read(self, rows, n, one_query=False):
         values, scales = (t[:, :, :n] for t in self.rows(rows))          # (rows, heads, n, dim), (.., 1)
         if one_query:
-            return Quantized(values, scales)
+            return Quantized(values, scales, self.may_compile)
         return self.buffer[:rows, :, :n].copy_(values).mul_(scales)
 
 

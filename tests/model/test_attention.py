@@ -1,7 +1,7 @@
 """model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
 equal MHA on repeated K/V, the textbook formula, values wider or narrower than keys, an explicit
-scale), the kernel an int8 cache's one-query step runs, and split-KV's configuration in a
-compiled step."""
+scale), the kernel an int8 cache's one-query step runs (by the cache's size and the decode asked
+for), and split-KV's configuration in a compiled step."""
 
 import pytest
 import torch
@@ -10,15 +10,19 @@ import torch.nn.functional as F
 from model import attend
 from model.attention import (
     COMPILE_FROM,
+    PAYS_FROM,
     SplitKV,
     attend_one_query,
     causal_mask,
     compiled_attend_one_query,
+    compiling_pays,
     decode_kernel_options,
     one_query_kernel,
 )
+from model.generation import stream
 from model.kv_cache import KVCache, Quantized
-from tests.helpers import VARIANTS
+from model.sampling import Sampling
+from tests.helpers import BOUNDED, ENDLESS, VARIANTS, cache_kind_model, tiny_model
 
 
 @pytest.mark.parametrize("n_kv_head", VARIANTS.values(), ids=VARIANTS.keys())
@@ -188,6 +192,80 @@ def test_an_int8_cache_keeps_one_kernel_from_its_first_step_to_its_last():
         for read in (1, positions // 2, positions):  # the first step, one halfway, the last
             assert one_query_kernel(q, Quantized(keys[:, :, :read], scales[:, :, :read])) is kernel
         assert one_query_kernel(q[:1], Quantized(keys[:1, :, :1], scales[:1, :, :1])) is kernel  # fewer rows
+        assert one_query_kernel(q, Quantized(keys, scales, may_compile=False)) is attend_one_query  # short
+
+
+def stream_start(model, idx, new: int):
+    """The first token of a greedy stream over an int8 cache asked for `new` tokens (its prompt's
+    pass: no step run yet), and that cache."""
+    caches = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs["kv_cache"]),
+                                           with_kwargs=True)
+    try:
+        token = next(stream(model, idx, Sampling(new, temperature=0), kv_dtype="int8"))
+    finally:
+        hook.remove()
+    return token, caches[-1]
+
+
+def test_compiling_pays_where_the_numbers_a_decode_reads_save_a_compile():
+    """The numbers a decode's steps read: every layer reads its group's cells written so far, at most
+    all of them. SmolLM2-135M (30 layers, 3 K/V heads of 64) after 1,000 tokens: 60 new ones never pay
+    (they once compiled, ~20-50 s, for ~0.5 s of decoding), ~580 do; twice the rows, sooner; a cache of
+    1,060 cells (refilled past it) pays later; the layers sharing a group read it each."""
+    def pays(rows, cells, new, groups=1, layers=30):
+        cache = KVCache([None] * groups, rows, 3, cells, 64, dtype=torch.int8)
+        return compiling_pays(cache, 1000, new - 1, layers)
+
+    def reads(rows, cells, new):  # by hand: steps x layers x rows x heads x dim x the average cells read
+        return (new - 1) * 30 * rows * 3 * 64 * min(cells, 1000 + (new - 1) / 2)
+
+    first = next(n for n in range(1, 2000) if reads(1, 3000, n) >= PAYS_FROM)
+    assert 500 < first < 700
+    assert not pays(1, 3000, 60) and not pays(1, 3000, first - 1) and pays(1, 3000, first)
+    assert pays(2, 3000, first - 200) and not pays(1, 3000, first - 200)
+    assert not pays(1, 1060, first) and pays(1, 1060, 750)
+    assert pays(1, 3000, first, groups=2) and not pays(1, 3000, first, groups=2, layers=15)
+    assert not pays(1, 3000, 0) and not pays(1, 3000, 1)  # no step at all
+
+
+@pytest.mark.parametrize("kind", [*ENDLESS, *BOUNDED])
+def test_a_stream_picks_its_int8_kernel_once_by_the_decode_asked_for(kind):
+    """Every cache kind: before its prompt's pass a stream marks every K and V of its int8 cache
+    compiled or not for the whole sample (one kernel from its first step to its last), by what its
+    steps will read: 8 new tokens never pay for compiling, 10^9 always do."""
+    model = cache_kind_model((ENDLESS | BOUNDED)[kind])
+    idx = torch.randint(0, 37, (2, 9))
+    for new, pays in ((8, False), (10**9, True)):
+        _, cache = stream_start(model, idx, new)
+        assert {stored.may_compile for _, _, stored in cache.stores()} == {pays}, new
+        assert compiling_pays(cache, 9, new - 1, model.config.n_layer) is pays
+
+
+def test_a_short_int8_decode_over_a_large_cache_compiles_nothing():
+    """A cache of more than COMPILE_FROM numbers a group (where the compiled kernel is the faster) and
+    8 new tokens: they run as written and nothing is compiled, within int8's rounding of the float32
+    model's logits; the same prompt asked for 3,000 tokens reads the cache through the compiled
+    kernel (only its first token drawn: compiling takes seconds)."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(n_layer=4, n_head=4, n_embd=128, block_size=4096, pos_emb="rope")  # heads of 32
+    idx = torch.randint(0, 37, (4, 600))
+    q = torch.zeros(4, 4, 1, 32)                                          # (B, n_head, 1, head_dim)
+    graphs, logits = counters["stats"]["unique_graphs"], []
+    hook = model.register_forward_hook(lambda module, args, out: logits.append(out[:, -1]))
+    try:
+        new = torch.stack(list(stream(model, idx, Sampling(8, temperature=0), kv_dtype="int8")), dim=1)
+    finally:
+        hook.remove()
+    assert counters["stats"]["unique_graphs"] == graphs
+    with torch.no_grad():
+        want = model(torch.cat([idx, new], dim=1))[:, 599:-1]            # (4, 8, vocab)
+    assert (torch.stack(logits, dim=1) - want).abs().max() < 2e-3
+    for asked, kernel in ((8, attend_one_query), (3000, compiled_attend_one_query())):
+        _, cache = stream_start(model, idx, asked)
+        assert cache.groups[0].k.tensors[0].numel() >= COMPILE_FROM
+        assert one_query_kernel(q, cache.groups[0].k.read(4, cache.length, one_query=True)) is kernel
 
 
 def test_split_kvs_kernel_options_in_a_compiled_step_keep_its_shared_memory_at_96_kb():
