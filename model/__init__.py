@@ -1,6 +1,6 @@
 """A GPT and what decoding it needs. Its files, from the bottom up: config, device, kv_cache,
 quantize, attention (the one core), pretrained, gpt, checkpoint, convert, sampling, prefill,
-decode_step, recorder, generation. It imports torch (safetensors for Hugging Face folders) and itself only."""
+step_package, decode_step, recorder, generation. It imports torch (safetensors for Hugging Face folders) and itself only."""
 
 from model.attention import attend
 from model.config import GPTConfig

@@ -325,41 +325,6 @@ def check_shapes(expected: dict, shapes: dict, family: str, c: GPTConfig, path: 
                              f"{list(shape)}, its config makes it [{made}])")
 
 
-def is_gpt2_bpe(file: Path) -> bool:
-    """Whether the tokenizer.json `file` is GPT-2's BPE itself (as the Hub's GPT-2 folders hold it):
-    GPT-2's 50,257 tokens at GPT-2's ids, merge i making token 256 + i (GPT-2's order: its ids are
-    its merges' ranks), read and written at the byte level as GPT-2 does (no normalizer, no prefix
-    space, no token added to a text, no dropout, <|endoftext|> its one special token). Then our
-    shipped ranks are the same tokenizer. Anything else, or a file it cannot read, is not."""
-    from data.tokenizer import BYTE_LEVEL, GPT2_VOCAB_SIZE, gpt2_encoding
-
-    try:
-        tokenizer = json.loads(file.read_text())
-        model, pre = tokenizer["model"], tokenizer["pre_tokenizer"]
-        vocab, merges = model["vocab"], model["merges"]
-        settings = (tokenizer.get("normalizer") is None and pre.get("type") == "ByteLevel"
-                    and not pre.get("add_prefix_space") and pre.get("use_regex", True)
-                    and (tokenizer.get("post_processor") or {}).get("type", "ByteLevel") == "ByteLevel"
-                    and {(t["id"], t["content"]) for t in tokenizer.get("added_tokens") or []}
-                    <= {(GPT2_VOCAB_SIZE - 1, "<|endoftext|>")}
-                    and model.get("type") == "BPE" and model.get("dropout") is None
-                    and not model.get("byte_fallback") and not model.get("continuing_subword_prefix")
-                    and not model.get("end_of_word_suffix"))
-        ids = sorted(vocab.values())
-        if not settings or ids != list(range(GPT2_VOCAB_SIZE)) or len(merges) != GPT2_VOCAB_SIZE - 257 \
-                or vocab.get("<|endoftext|>") != GPT2_VOCAB_SIZE - 1:
-            return False
-        encoding = gpt2_encoding()
-        if any(i != GPT2_VOCAB_SIZE - 1 and bytes(BYTE_LEVEL[c] for c in token)
-               != encoding.decode_single_token_bytes(i) for token, i in vocab.items()):
-            return False
-        pairs = (m.split(" ") if isinstance(m, str) else m for m in merges)  # "a b", or [a, b] (newer)
-        return all(len(pair) == 2 and pair[0] in vocab and pair[1] in vocab
-                   and vocab.get(pair[0] + pair[1]) == 256 + i for i, pair in enumerate(pairs))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # (not a tokenizer.json we know)
-        return False
-
-
 def gpt2_fields(hf: dict) -> dict:
     """GPTConfig's fields of a GPT-2 config.json: our defaults are GPT-2's architecture."""
     supported = {"activation_function": "gelu_new", "n_inner": None, "scale_attn_weights": True,

@@ -128,11 +128,14 @@ def started_with_the_session(request, hermetic_env, tmp_path_factory):
     test waits for its own. Yields {test name: the future of its run} for the tests selected."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from tests.model.test_step_package import run_a_compile_on_a_full_disk
     from tests.test_gpu_plan import run_the_plan
     from tests.test_readme import run_every_command
 
     starts = {"test_every_command_of_the_readme_and_docs_runs_as_written": run_every_command,
-              "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan}
+              "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan,
+              "test_a_write_refused_while_compiling_is_one_line_and_leaves_nothing_cut_short":
+                  run_a_compile_on_a_full_disk}
     selected = set() if request.config.getoption("--gpu") else {item.name for item in request.session.items}
     wanted = {name: start for name, start in starts.items() if name in selected}
     if run_the_plan in wanted.values():

@@ -6,10 +6,13 @@ TORCHINDUCTOR_CACHE_DIR, before compiling or when a write is refused, with nothi
 import copy
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from model.checkpoint import Checkpoint, save
 from model.decode_step import CompiledDecodeStep, dynamic_cells, int8_weights
 from model.generation import generate
 from model.quantize import quantize_int8
@@ -22,7 +25,7 @@ from model.step_package import (
     remove_stale_builds,
     writable_folder,
 )
-from tests.helpers import ROOT, int8_main_job, run_cli, tiny_model
+from tests.helpers import ROOT, clean_env, int8_main_job, tiny_model
 
 
 def test_one_package_serves_every_length_of_sample(int8_package, capfd):
@@ -120,23 +123,35 @@ def test_a_folder_a_compile_cannot_write_to_is_refused_before_compiling(tmp_path
             CompiledDecodeStep(tiny_model(0).eval(), backend="inductor")
 
 
-def test_a_write_refused_while_compiling_is_one_line_and_leaves_nothing_cut_short(tmp_path):
-    """A disk that fills while inductor compiles (files cut at 20 kB: RLIMIT_FSIZE, in a process
-    of its own, as the compiler's processes inherit it): generate.py compile=true says it in one
-    line naming TORCHINDUCTOR_CACHE_DIR and compile, and what it wrote into the folder is gone."""
+def run_a_compile_on_a_full_disk(tmp_path):
+    """generate.py compile=true on a disk that fills while inductor compiles (files cut at 20 kB:
+    RLIMIT_FSIZE, in a process of its own, as the compiler's processes inherit it), into an empty
+    inductor folder: returned as the function that runs it and returns (the result, the folder),
+    which conftest starts with the session, beside the suite (seconds of compiling)."""
+    model = tiny_model(0)
+    vocab = [chr(65 + i) for i in range(37)]
+    save(tmp_path / "ckpt.pt", Checkpoint(model=model.state_dict(), model_config=model.config,
+                                          data_meta={"tokenizer": "char", "vocab": vocab}))
     script = ("import resource, sys, runpy; "
               "resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, resource.RLIM_INFINITY)); "
               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
-    ckpt = tmp_path / "ckpt.pt"
-    from model.checkpoint import Checkpoint, save
+    env = clean_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
 
-    model = tiny_model(0)
-    save(ckpt, Checkpoint(model=model.state_dict(), model_config=model.config,
-                          data_meta={"tokenizer": "char", "vocab": [chr(65 + i) for i in range(37)]}))
-    result = run_cli("-c", script, str(ROOT / "generate.py"), f"ckpt={ckpt}", "compile=true", "prompt=AB",
-                     "max_new_tokens=3", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")})
+    def run():
+        command = [sys.executable, "-c", script, str(ROOT / "generate.py"), f"ckpt={tmp_path / 'ckpt.pt'}",
+                   "compile=true", "prompt=AB", "max_new_tokens=3"]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        return result, tmp_path / "inductor"
+
+    return run
+
+
+def test_a_write_refused_while_compiling_is_one_line_and_leaves_nothing_cut_short(started_run):
+    """A disk that fills while inductor compiles: generate.py says it in one line naming
+    TORCHINDUCTOR_CACHE_DIR and compile, and what it wrote into the folder is gone."""
+    result, folder = started_run.result()
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-3000:]
     assert lines[0].startswith("error: compile: cannot compile the decode step: a write was refused")
     assert "TORCHINDUCTOR_CACHE_DIR" in lines[0]
-    assert not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
+    assert not [p for p in folder.rglob("*") if p.is_file()]
