@@ -1,6 +1,6 @@
-"""A GPT and what decoding it needs. Its files, from the bottom up: config, device, kv_cache,
-quantize, attention (the one core), pretrained, gpt, checkpoint, convert, sampling, prefill,
-step_package, decode_step, recorder, generation. It imports torch (safetensors for Hugging Face folders) and itself only."""
+"""A GPT and what decoding it needs, importing torch (safetensors: Hugging Face folders) and itself. Its
+files, bottom up: config, device, kv_cache, quantize, attention (the one core), pretrained, gpt,
+checkpoint, convert, sampling, prefill, step_package, decode_step, recorder, generation."""
 
 from model.attention import attend
 from model.config import GPTConfig

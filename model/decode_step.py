@@ -4,6 +4,7 @@ captured as a CUDA graph that also draws the next token; here too, the SDPA kern
 
 import contextlib
 import functools
+import sys
 import warnings
 
 import torch
@@ -106,6 +107,10 @@ class CompiledDecodeStep:
         # read-only, not a folder) is said in one line, before compiling, or when a write is refused.
         compiles = backend == "inductor" and not self.frozen  # (a package's build checks its own room)
         folder = writable_folder(inductor_folder()) if compiles else None
+        if compiles and (seconds := 15 + 2.2 * model.config.n_layer) >= 40:  # a long wait is announced
+            print(f"kvgpt: compiling the decode step (inductor): up to ~{seconds:.0f} s the first time for "
+                  f"{model.config.n_layer} layers (SmolLM2-135M's 30: 83 s on 2 cores), seconds once "
+                  f"inductor's cache folder {folder} holds it", file=sys.stderr, flush=True)
         with folder_errors(folder) if compiles else contextlib.nullcontext(), warnings.catch_warnings(), \
                 torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
@@ -183,7 +188,7 @@ class CompiledDecodeStep:
             example = (self.token, self.input_pos, self.pad, cells_read, tensors)
             export = functools.partial(export_step, self.model, self.cache, example, reads_written, dynamic,
                                        kernels=self.kernels)
-            build_package(folder, key, export, self.model.num_params())
+            build_package(folder, key, export, self.model)
             runner = load_package(folder, key)
             if runner is None:
                 raise RuntimeError(f"the decode step just compiled into {folder} does not load")

@@ -13,7 +13,7 @@ from tests.real_model import FOLDER, MAKE
 
 PROMPTS = ["<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
            "The KV cache", "Once upon a time, in a small village by the sea, there lived"]
-N = 16  # new tokens a row
+N = 12  # new tokens a row
 
 
 def smollm2(precision: Precision):
