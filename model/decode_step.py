@@ -4,7 +4,6 @@ captured as a CUDA graph that also draws the next token; here too, the SDPA kern
 
 import contextlib
 import functools
-import sys
 import warnings
 
 import torch
@@ -15,10 +14,12 @@ from model.config import check_integer
 from model.kv_cache import storage_dtype
 from model.sampling import Sampling, sample_next
 from model.step_package import (
+    announce_compile,
     build_package,
     folder_errors,
     inductor_folder,
     load_package,
+    mark_compiled,
     package_key,
     writable_folder,
 )
@@ -107,10 +108,9 @@ class CompiledDecodeStep:
         # read-only, not a folder) is said in one line, before compiling, or when a write is refused.
         compiles = backend == "inductor" and not self.frozen  # (a package's build checks its own room)
         folder = writable_folder(inductor_folder()) if compiles else None
-        if compiles and (seconds := 15 + 2.2 * model.config.n_layer) >= 40:  # a long wait is announced
-            print(f"kvgpt: compiling the decode step (inductor): up to ~{seconds:.0f} s the first time for "
-                  f"{model.config.n_layer} layers (SmolLM2-135M's 30: 83 s on 2 cores), seconds once "
-                  f"inductor's cache folder {folder} holds it", file=sys.stderr, flush=True)
+        if compiles:  # (a cold compile of a large model takes a minute or more: said first)
+            key = package_key(model, self.cache, dynamic_cells(self.cache), weights=False)
+            compiled = announce_compile(folder, key, model.config.n_layer)
         with folder_errors(folder) if compiles else contextlib.nullcontext(), warnings.catch_warnings(), \
                 torch.inference_mode(), self.kernels():
             # float32 is asked for, not TF32 (inductor advises it): the advice is not the user's concern
@@ -128,6 +128,8 @@ class CompiledDecodeStep:
                 self.cache.advance(min(1, self.cache.max_len - 1))
                 self(self.token, self.cache)
                 self.cache.reset()
+        if compiles:
+            mark_compiled(compiled)
 
     def compiled(self, logits_at, backend: str):
         """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
@@ -177,9 +179,15 @@ class CompiledDecodeStep:
         cells (the cache's and those read) are dynamic sizes: one package serves every length. A
         number outside those it was exported for (below 2, or where export specialised) runs eagerly."""
         reads_written = self.cells_read is not None
+
+        def eager(reads: int):
+            with self.kernels():
+                return logits_at(*self.inputs, self.cells_read[:reads] if reads_written else None)
+
+        if reads_written and self.cache.max_len < 3:  # (export would take 2 cells read for the cache's 2)
+            return eager
         # a ring reads every cell: its `cells_read` input is a placeholder of fixed size
-        cells_read = (self.cells_read[:max(2, self.cache.max_len - 1)] if reads_written
-                      else self.token.new_empty(0))
+        cells_read = self.cells_read[:self.cache.max_len - 1] if reads_written else self.token.new_empty(0)
         tensors, dynamic = self.cache.tensors, dynamic_cells(self.cache)
         folder = inductor_folder() / "kvgpt"
         key = package_key(self.model, self.cache, dynamic)
@@ -200,8 +208,7 @@ class CompiledDecodeStep:
 
         def run(reads: int):
             if not fits or reads_written and not low <= reads <= high:
-                with self.kernels():
-                    return logits_at(*self.inputs, self.cells_read[:reads] if reads_written else None)
+                return eager(reads)
             if reads_written:
                 inputs[3] = self.cells_read[:reads]                        # (reads,)
             return runner.run(inputs)[0]
@@ -330,8 +337,13 @@ def export_step(model, cache, example, reads_written: bool, dynamic: list[bool],
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
                                       dynamic_shapes=(None, None, None, reads_dim, cells_dims))
     inputs = [node.meta["val"] for node in program.graph.find_nodes(op="placeholder")]
-    reads = size_range(program, inputs[-len(example[4]) - 1].size(0))
-    cells = [size_range(program, t.size(2)) for t, d in zip(inputs[-len(example[4]):], dynamic) if d]
+    n = len(example[4])
+    read_size, cell_sizes = inputs[-n - 1].size(0), [t.size(2) for t in inputs[-n:]]
+    symbol = lambda size: size.node.expr if isinstance(size, torch.SymInt) else None  # noqa: E731
+    if reads_written and symbol(read_size) in {symbol(size) for size in cell_sizes} - {None}:
+        raise RuntimeError("export took the cells read for the cache's: the package would be wrong")
+    reads = size_range(program, read_size)
+    cells = [size_range(program, size) for size, d in zip(cell_sizes, dynamic) if d]
     cells = (max(r[0] for r in cells), min(r[1] for r in cells)) if cells else (cache.max_len, cache.max_len)
     # Inductor's C++ int8 products, untimed (they won at every shape, and each timing costs ~3.5 s);
     # where its template takes no product (a CPU, a shape), each is timed against ATen's.

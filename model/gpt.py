@@ -1,6 +1,7 @@
 """A causal GPT built from the one attention core, with a static KV cache for decoding."""
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -202,16 +203,23 @@ class GPT(nn.Module):
         return logits, loss
 
     def fits(self, cache: KVCache, rows: int) -> bool:
-        """Whether this model can decode `rows` rows into `cache` (one made by new_kv_cache, with room)."""
+        """Whether this model can decode `rows` rows into `cache` (one made by new_kv_cache, with room).
+        Its layout is compared once per model (`cache.fitted`): a step pays three comparisons."""
         weight = self.wte.weight
-        return (cache.layout in self.kv_layouts and rows <= cache.batch_size
-                and cache.compute_dtype == weight.dtype and cache.device == weight.device)
+        if cache.fitted() is not self:
+            if cache.layout not in self.kv_layouts:
+                return False
+            cache.fitted = weakref.ref(self)
+        fitting = rows <= cache.batch_size and cache.compute_dtype is weight.dtype
+        return fitting and cache.device == weight.device
 
     def cache_misfit(self, cache: KVCache, rows: int) -> str:
         """Why `cache` does not fit (`fits`), in a sentence."""
         weight, (windows, heads, key_dim, *_) = self.wte.weight, cache.layout
         n_kv_head, width, _ = self.kv_shape()
+        latent = cache.layout[3] != self.kv_shape()[2]
         reasons = [(rows > cache.batch_size, f"{cache.batch_size} row(s), fewer than the batch's {rows}"),
+                   (latent, "an MLA latent per position" if cache.layout[3] else "K and V per K/V head"),
                    (len(windows) != self.config.kv_layers,
                     f"{len(windows)} layer groups, not the model's {self.config.kv_layers}"),
                    ((heads, key_dim) != (n_kv_head, width),

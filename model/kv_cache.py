@@ -301,6 +301,7 @@ class KVCache:
             k, v = stored("k", n), None if value_dim_in_keys else stored("v", n)
             self.groups.append(Ring(k, v, window, sinks) if ring else GroupCache(k, v))
         self.device = self.groups[0].k.tensors[0].device
+        self.fitted = lambda: None  # a weak reference to the model whose layout it has (GPT.fits)
         self.length = 0
 
     def advance(self, n: int) -> None:

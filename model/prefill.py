@@ -32,7 +32,8 @@ def feed_shared(model, context, cache, pad, shared, chunk=None):
     if pad is None:
         logits = feed(model, context[:1, :shared], cache, None, chunk)
         for tensor in cache.buffers:                                     # (rows, heads, cells, .)
-            tensor[1:B] = tensor[:1]
+            written = min(tensor.size(2), cache.sinks + shared)  # (a ring writes from its sink cells on)
+            tensor[1:B, :, :written] = tensor[:1, :, :written]
         return logits
     start = int(pad[0])
     prefix = model.new_kv_cache(1, shared, dtype=cache.dtype, ring=False)  # plain groups, as cache stores

@@ -8,11 +8,13 @@ of its dynamic sizes); the most recently used PACKAGES_KEPT stay. A build runs i
 removed afterwards, so a failed or killed build leaves nothing half-written behind.
 """
 
+import atexit
 import contextlib
 import errno
 import getpass
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,10 +31,14 @@ FOLDER_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EP
 
 
 def inductor_folder() -> Path:
-    """Where inductor keeps what it compiles: TORCHINDUCTOR_CACHE_DIR, or its default (computed as
-    inductor does: importing it to ask costs a process that loads a package ~1 s)."""
-    default = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default).expanduser()
+    """Where inductor keeps what it compiles: TORCHINDUCTOR_CACHE_DIR, or its default, computed as
+    inductor computes it (importing inductor to ask would cost every start ~1 s)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, ModuleNotFoundError, OSError):  # a user id with no name (a container's)
+        user = f"uid_{os.getuid()}"
+    default = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return Path(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default))
 
 
 def folder_error(folder: Path, why: str) -> OSError:
@@ -64,11 +70,12 @@ REFUSED_WRITE_WORDS = ("No space left on device", "Disk quota exceeded", "File s
 
 
 @contextlib.contextmanager
-def folder_errors(folder: Path):
+def folder_errors(folder: Path, clean: bool = True):
     """An error raised while compiling into `folder` that a refused write caused (inductor wraps it
-    in its own, or a compiler's process says it), as one OSError naming the folder, once what the
-    compile wrote there since it began is removed (a cut-short library would be loaded later);
-    any other error as it was."""
+    in its own, or a compiler's process says it), as one OSError naming the folder; any other error
+    as it was. With `clean`, what was written there since the compile began is removed first: a
+    library cut short would be loaded by a later compile (on a folder shared with other processes,
+    theirs too: a cache, rebuilt when next needed)."""
     began = time.time()
     try:
         yield
@@ -76,7 +83,8 @@ def folder_errors(folder: Path):
         why = refused_write(e)
         if why is None:
             raise
-        remove_written_since(folder, began)
+        if clean:
+            remove_written_since(folder, began)
         raise OSError(f"cannot compile the decode step: a write was refused ({why}) in inductor's cache "
                       f"folder {folder} (TORCHINDUCTOR_CACHE_DIR) or {tempfile.gettempdir()}: free space, "
                       f"set TORCHINDUCTOR_CACHE_DIR to another folder, or decode without compiling") from e
@@ -107,20 +115,38 @@ def remove_written_since(folder: Path, began: float) -> None:
                     os.unlink(path)
 
 
-def package_key(model, cache, dynamic: list[bool]) -> str:
+def package_key(model, cache, dynamic: list[bool], weights: bool = True) -> str:
     """The name of `model`'s step over `cache` before its content digest: a digest of all the
-    package depends on. The weights (frozen in), the config, each cache tensor's shape (a dynamic
-    number of cells left out: one package serves every length), the cache's dtypes, the model's
-    code, PyTorch's version and the CPU's vector instructions."""
-    digest = hashlib.blake2b(weights_digest(model).encode(), digest_size=16)
+    package depends on. The weights (frozen in; without `weights`, a step of any weights: what
+    torch.compile's code depends on), the config, each cache tensor's shape (a dynamic number of
+    cells left out: one package serves every length), the cache's dtypes, the model's code,
+    PyTorch's version and the CPU's vector instructions."""
+    digest = hashlib.blake2b(weights_digest(model).encode() if weights else b"", digest_size=16)
     shapes = [tuple(None if d == 2 and dyn else n for d, n in enumerate(t.shape))
               for t, dyn in zip(cache.tensors, dynamic)]
     for part in (repr(model.config), repr(shapes), repr((cache.dtype, cache.compute_dtype)),
-                 torch.__version__, torch.backends.cpu.get_cpu_capability()):
+                 repr(model.wte.weight.dtype), torch.__version__, torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode())
     for source in sorted(Path(__file__).parent.glob("*.py")):
         digest.update(source.read_bytes())
     return f"decode-step-{digest.hexdigest()}"
+
+
+def announce_compile(folder: Path, key: str, n_layer: int) -> Path:
+    """Say before a long compile (12 layers or more) that it takes a while, unless this step was
+    compiled before into inductor's `folder` (its marker, `compiled-<key>`, returned: made once it is)."""
+    marker = folder / "kvgpt" / f"compiled-{key}"
+    if (seconds := 15 + 2.2 * n_layer) >= 40 and not marker.exists():
+        print(f"kvgpt: compiling the decode step (inductor) the first time: up to ~{seconds:.0f} s for "
+              f"{n_layer} layers (SmolLM2-135M's 30: 83 s on 2 cores), seconds once inductor's cache "
+              f"folder {folder} holds it", file=sys.stderr, flush=True)
+    return marker
+
+
+def mark_compiled(marker: Path) -> None:
+    with contextlib.suppress(OSError):  # (a read-only folder: said again next time)
+        marker.parent.mkdir(exist_ok=True)
+        marker.touch()
 
 
 def weights_digest(model) -> str:
@@ -150,52 +176,79 @@ def load_package(folder: Path, key: str):
     and said so; where it cannot be removed, an OSError says which file to remove."""
     for path in sorted(folder.glob(f"{key}.*.pt2")):
         if path.name == f"{key}.{file_digest(path)}.pt2":  # (a name that cannot be read digests to '')
-            try:  # the package's own runner, not aoti_load_package: that imports inductor (~3 s)
-                runner = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-            except RuntimeError:
-                runner = None
+            runner = package_runner(path)
             if runner is not None:
                 with contextlib.suppress(OSError):  # (a read-only folder serves as it is)
                     os.utime(path)  # used now: pruned last
                 return runner
         try:
-            path.unlink()
+            path.unlink(missing_ok=True)  # (missing: removed meanwhile by another process)
         except OSError as e:
             raise OSError(f"the compiled decode step {path} is damaged and cannot be removed "
                           f"({e.strerror}): remove it") from e
-        print(f"kvgpt: {path} was damaged (not the bytes written): removed, built again", file=sys.stderr)
+        print(f"kvgpt: {path} was damaged (not the bytes written): removed", file=sys.stderr)
     return None
+
+
+def package_runner(path: Path):
+    """The package's own C++ runner (not aoti_load_package: that imports inductor, ~3 s), or None if
+    it does not load. It unpacks the package into a folder of this process's beside it, removed
+    when the process exits (torch's own, in /tmp, outlived every run: 332 MB for SmolLM2-135M), or by
+    a later load if the process was killed."""
+    remove_stale(path.parent)
+    try:
+        unpacked = tempfile.mkdtemp(dir=path.parent, prefix=f".run-{os.getpid()}-")
+    except OSError:  # a read-only folder: torch's temporary folder
+        unpacked = None
+    else:
+        atexit.register(shutil.rmtree, unpacked, True)
+    tmpdir = os.environ.get("TMPDIR")
+    try:
+        if unpacked is not None:
+            os.environ["TMPDIR"] = unpacked  # where the runner unpacks (C++'s temp_directory_path)
+        return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    except RuntimeError:
+        return None
+    finally:
+        if unpacked is not None and tmpdir is None:
+            del os.environ["TMPDIR"]
+        elif unpacked is not None:
+            os.environ["TMPDIR"] = tmpdir
 
 
 def build_package(folder: Path, key: str, export, model) -> Path:
     """Build the package `key` of `model`'s step with export(path) (model.decode_step.export_step) in
     a folder of its own, as inductor's cache too, then name it by its digest in `folder`: whole or
-    absent. Says so first (~80 s for 135M weights on 2 cores), checks the room it needs (~2.4 bytes
-    a weight), and prunes older packages."""
+    absent (one package a key). Says so first (~80 s for 135M weights on 2 cores), checks the room
+    it needs (~2.4 bytes a weight), and prunes older packages."""
     weights = {t.data_ptr(): t for t in model.state_dict().values()}  # (a tied head once)
     n = sum(t.numel() for t in weights.values())
     writable_folder(folder, 3 * n + COMPILE_NEEDS_BYTES)
-    remove_stale_builds(folder)
+    remove_stale(folder)
     print(f"kvgpt: compiling the int8 decode step ahead of time, once for this model and cache: about "
           f"{25 + n / 2.5e6:,.0f} s for {n / 1e6:,.1f}M weights; kept in {folder}",
           file=sys.stderr, flush=True)
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     prefix = f".build-{os.getpid()}-"
-    with folder_errors(folder), tempfile.TemporaryDirectory(dir=folder, prefix=prefix) as build:
+    with folder_errors(folder, clean=False), tempfile.TemporaryDirectory(dir=folder, prefix=prefix) as build:
         with temporary_cache_dir(build):
             export(Path(build) / "step.pt2")
         path = folder / f"{key}.{file_digest(Path(build) / 'step.pt2')}.pt2"
         os.replace(Path(build) / "step.pt2", path)
+    for other in folder.glob(f"{key}.*.pt2"):  # (a concurrent build of the same step, bytes apart)
+        if other != path:
+            other.unlink(missing_ok=True)
     prune(folder)
     return path
 
 
 def prune(folder: Path, keep: int = PACKAGES_KEPT) -> None:
-    """Remove all but the `keep` most recently used packages in `folder`."""
-    packages = sorted(folder.glob("decode-step-*.pt2"), key=last_used, reverse=True)
-    for path in packages[keep:]:
-        path.unlink(missing_ok=True)
+    """Remove all but the `keep` most recently used packages in `folder` (and of the markers of
+    compiled steps, empty files, all but the last 64)."""
+    for pattern, kept in (("decode-step-*.pt2", keep), ("compiled-*", 64)):
+        for path in sorted(folder.glob(pattern), key=last_used, reverse=True)[kept:]:
+            path.unlink(missing_ok=True)
 
 
 def last_used(path: Path) -> float:
@@ -205,12 +258,13 @@ def last_used(path: Path) -> float:
         return 0.0
 
 
-def remove_stale_builds(folder: Path) -> None:
-    """Remove the build folders of processes that no longer run (killed while building)."""
-    for build in folder.glob(".build-*-*"):
-        pid = build.name.split("-")[1]
+def remove_stale(folder: Path) -> None:
+    """Remove the folders of processes that no longer run (killed while building or decoding): their
+    builds (.build-<pid>-*) and unpacked packages (.run-<pid>-*)."""
+    for leftover in [*folder.glob(".build-*-*"), *folder.glob(".run-*-*")]:
+        pid = leftover.name.split("-")[1]
         if pid.isdigit() and not process_runs(int(pid)):
-            shutil.rmtree(build, ignore_errors=True)
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def process_runs(pid: int) -> bool:

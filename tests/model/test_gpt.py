@@ -187,7 +187,7 @@ def test_cache_overflow_is_an_error():
 # A cache of another model, and what the error says of it: (the cache's model, its rows, the words).
 MISFITS = {"rows": ({}, 1, "1 row(s), fewer than the batch's 2"),
            "heads": ({"n_kv_head": 2}, 2, "2 K/V heads of 4, not the model's 4 of 4"),
-           "MLA's latent": ({"mla_latent_dim": 8, "mla_rope_dim": 4}, 2, "1 K/V heads of 12"),
+           "MLA's latent": ({"mla_latent_dim": 8, "mla_rope_dim": 4}, 2, "an MLA latent per position"),
            "layers": ({"n_layer": 3}, 2, "3 layer groups, not the model's 2"),
            "shared layers": ({"kv_share": 2}, 2, "1 layer groups"),
            "dtype": ({"dtype": torch.bfloat16}, 2, "dtype torch.bfloat16, not the model's torch.float32"),

@@ -102,12 +102,15 @@ LONG_PREFIX = ENDLESS | {"window = block": {"attn_window": 24}}  # 47 tokens of 
 def test_rows_sharing_a_prefix_past_block_size_are_each_their_prompt_alone(kind):
     """A ring model's prompt of any length goes into its cache (sinks: all of it; no sinks: what is
     within its receptive field). Rows sharing a prefix longer than block_size (24): three samples of
-    one 40-token prompt (the prefix, all of it, fed once), or prompts of 41, 44 and 46 tokens sharing
-    their first 38 (each row's prefix at its own columns: a plain prefix holds block_size of it).
+    one 40-token prompt (the prefix, all of it, fed once; two of a 3-token one), or prompts of 41,
+    44 and 46 tokens sharing their first 38 (each row's prefix at its own columns: a plain prefix
+    holds block_size of it).
     Each row, in one pass or in chunks, draws what its prompt alone draws, from the same logits."""
     model = cache_kind_model(LONG_PREFIX[kind])
     prefix = prompts_sharing_a_prefix(lengths=(40,), shared=38)[0]
-    for prompts in ([prefix] * 3, prompts_sharing_a_prefix(lengths=(41, 44, 46), shared=38)):
+    # (and one shorter than the window: a ring writes from its sink cells on, past the prompt's length)
+    sharing = prompts_sharing_a_prefix(lengths=(41, 44, 46), shared=38)
+    for prompts in ([prefix] * 3, [prefix[:3]] * 2, sharing):
         alone = [stream_logits(model, [prompt], 6) for prompt in prompts]
         for fill in FILLS.values():
             rows, logits = stream_logits(model, prompts, 6, **fill)

@@ -18,11 +18,13 @@ from model.generation import generate
 from model.quantize import quantize_int8
 from model.step_package import (
     PACKAGES_KEPT,
+    announce_compile,
     inductor_folder,
     load_package,
+    mark_compiled,
     package_key,
     prune,
-    remove_stale_builds,
+    remove_stale,
     writable_folder,
 )
 from tests.helpers import ROOT, clean_env, int8_main_job, tiny_model
@@ -91,7 +93,7 @@ def test_a_damaged_package_that_cannot_be_removed_names_the_file(tmp_path):
         load_package(tmp_path, key)
 
 
-def test_the_most_recently_used_packages_are_kept_and_killed_builds_removed(tmp_path):
+def test_the_most_recently_used_packages_are_kept_and_what_killed_processes_left_removed(tmp_path):
     packages = [tmp_path / f"decode-step-{i}.{i}.pt2" for i in range(PACKAGES_KEPT + 2)]
     for i, path in enumerate(packages):
         path.write_bytes(b"x")
@@ -100,12 +102,44 @@ def test_the_most_recently_used_packages_are_kept_and_killed_builds_removed(tmp_
     other.write_text("not ours")
     prune(tmp_path)
     assert sorted(tmp_path.iterdir()) == sorted([other, *packages[-PACKAGES_KEPT:]])
-    dead = tmp_path / ".build-999999999-x"  # no process has that id
-    live = tmp_path / f".build-{os.getpid()}-y"
-    for build in (dead, live):
-        build.mkdir()
-    remove_stale_builds(tmp_path)
-    assert not dead.exists() and live.exists()
+    # a build and an unpacked package of a process that no longer runs (no process has its id), and this one's
+    leftovers = [tmp_path / f".{kind}-{pid}-x" for kind in ("build", "run")
+                 for pid in (999999999, os.getpid())]
+    for leftover in leftovers:
+        leftover.mkdir()
+    remove_stale(tmp_path)
+    assert [leftover.exists() for leftover in leftovers] == [False, True, False, True]
+
+
+def test_a_package_loaded_is_unpacked_beside_it_and_gone_when_the_process_ends(int8_package, tmp_path):
+    """The package's runner unpacks it (332 MB for SmolLM2-135M) into a folder of the process's
+    beside the package, not in /tmp where torch's own outlived every run: gone at the process's
+    exit, or at a later load where the process was killed."""
+    _, package, key = int8_package
+    shutil.copy(package, tmp_path / package.name)
+    script = ("import sys, os; from pathlib import Path; from model.step_package import load_package; "
+              f"runner = load_package(Path({str(tmp_path)!r}), {key!r}); "
+              "print(sorted(p.name.split('-')[1] for p in Path(sys.argv[1]).glob('.run-*')), os.getpid()); "
+              "os._exit(0) if sys.argv[2] == 'killed' else None")
+    for how in ("exits", "killed"):
+        result = subprocess.run([sys.executable, "-c", script, str(tmp_path), how], cwd=ROOT, env=clean_env(),
+                                capture_output=True, text=True, timeout=120)
+        while_running, pid = result.stdout.split("]")
+        assert while_running == f"['{pid.strip()}'", result.stderr     # its own folder, while it runs
+        left = [p.name.split("-")[1] for p in tmp_path.glob(".run-*")]
+        assert left == ([] if how == "exits" else [pid.strip()])       # os._exit: no exit handler ran
+    remove_stale(tmp_path)  # what a later load does first
+    assert not list(tmp_path.glob(".run-*"))
+
+
+def test_a_long_compile_is_said_first_unless_it_was_compiled_before(tmp_path, capfd):
+    marker = announce_compile(tmp_path, "decode-step-abc", n_layer=30)
+    said = "compiling the decode step (inductor) the first time: up to ~81 s for 30 layers"
+    assert said in capfd.readouterr().err
+    mark_compiled(marker)
+    for n_layer in (30, 2):  # compiled before; a few layers' compile is short
+        announce_compile(tmp_path, "decode-step-abc" if n_layer == 30 else "decode-step-new", n_layer)
+    assert capfd.readouterr().err == ""
 
 
 @pytest.mark.parametrize("kind", ["a file", "under a file", "no room"])
