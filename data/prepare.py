@@ -291,16 +291,21 @@ def read_prepared(prepared_dir: Path):
 
 
 def damaged(prepared_dir: Path) -> str | None:
-    """What is wrong with a prepared folder, None if nothing: load_prepared's checks, and each
-    array's sha256 against the one meta.json records (a file changed in place, its size kept)."""
+    """What is wrong with a prepared folder, None if nothing: load_prepared's checks, and the sha256
+    of each array modified after meta.json against the one it records (a file changed in place, its
+    size kept)."""
     try:
         meta, _, _ = read_prepared(prepared_dir)
     except ValueError as e:
         return str(e)
     except OSError as e:
         return f"cannot read {e.filename}: {e.strerror or e}"
+    # Only an array changed after meta.json (written after them) is hashed: a run's start does not
+    # read a large corpus whole for this.
+    written = (prepared_dir / "meta.json").stat().st_mtime_ns
     for name, recorded in meta["arrays_sha256"].items():
-        if sha256_file(prepared_dir / name) != recorded:
+        path = prepared_dir / name
+        if path.stat().st_mtime_ns > written and sha256_file(path) != recorded:
             return f"{name} is not the file meta.json records: its sha256 differs"
     return None
 
