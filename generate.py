@@ -253,7 +253,7 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
         check_inspect_fits(model, encoded[0], cfg)
     idx, pad = left_pad(encoded, device)
     # Sample j of each prompt draws from seed + j, so every sample is the one `seed=<seed + j>`
-    # gives for that prompt alone, however the prompts are batched.
+    # gives for that prompt alone, however the prompts are batched (to bf16's and int8's rounding).
     generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
                   for i in range(len(prompts))]
     tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,

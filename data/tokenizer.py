@@ -87,11 +87,10 @@ class HFTokenizer:
         from tokenizers import Tokenizer  # (~0.1 s: only when a folder's tokenizer is asked for)
 
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no tokenizer.json in {self.path.parent}: a Hugging Face model folder "
-                                    f"needs its tokenizer to sample text")
         try:
-            self.tokenizer = Tokenizer.from_file(str(self.path))
+            self.tokenizer = Tokenizer.from_str(tokenizer_json(self.path))
+        except OSError:
+            raise
         except Exception as e:  # noqa: BLE001  the library's own error for a file it cannot parse
             raise ValueError(f"{self.path} is not a tokenizer.json ({type(e).__name__}: {e})") from e
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -118,6 +117,26 @@ class HFTokenizer:
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte of its own
             return bytes([int(piece[3:5], 16)])
         return piece.replace("▁", " ").encode()
+
+
+def tokenizer_json(path: Path) -> str:
+    """The tokenizer.json at `path`, or where a folder has none, its GPT-2-style vocab.json and
+    merges.txt (a GPT-2 saved by transformers' slow tokenizer) as the byte-level BPE they are, with
+    <|endoftext|> added where the vocabulary holds it."""
+    if path.is_file():
+        return path.read_text()
+    vocab, merges = path.parent / "vocab.json", path.parent / "merges.txt"
+    if not (vocab.is_file() and merges.is_file()):
+        raise FileNotFoundError(f"no tokenizer.json in {path.parent} (nor vocab.json and merges.txt): a "
+                                f"Hugging Face model folder needs its tokenizer to sample text")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if tokenizer.token_to_id(ENDOFTEXT) is not None:
+        tokenizer.add_special_tokens([AddedToken(ENDOFTEXT, special=True)])
+    return tokenizer.to_str()
 
 
 def check_utf8(text: str, what: str = "text") -> None:
@@ -233,9 +252,10 @@ def is_gpt2_bpe(file: Path) -> bool:
     GPT-2's 50,257 tokens at GPT-2's ids, merge i making token 256 + i (GPT-2's order: its ids are
     its merges' ranks), read and written at the byte level as GPT-2 does (no normalizer, no prefix
     space, no token added to a text, no dropout, <|endoftext|> its one special token). Then our
-    shipped ranks are the same tokenizer. Anything else, or a file it cannot read, is not."""
+    shipped ranks are the same tokenizer (tokenizer_json: a GPT-2's vocab.json and merges.txt
+    too). Anything else, or a file it cannot read, is not."""
     try:
-        tokenizer = json.loads(file.read_text())
+        tokenizer = json.loads(tokenizer_json(file))
         model, pre = tokenizer["model"], tokenizer["pre_tokenizer"]
         vocab, merges = model["vocab"], model["merges"]
         settings = (tokenizer.get("normalizer") is None and pre.get("type") == "ByteLevel"

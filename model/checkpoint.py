@@ -285,13 +285,15 @@ def is_pretrained(path) -> bool:
 
 def pretrained_checkpoint(model: GPT, path) -> Checkpoint:
     """What the Hugging Face folder `path` that `model` was read from (GPT.from_pretrained) stands
-    for: its weights and config, and its tokenizer: the folder's own tokenizer.json
-    (data.tokenizer.HFTokenizer), or for a GPT-2 without one, our shipped copy of GPT-2's BPE. (A
+    for: its weights and config, and its tokenizer: the folder's own tokenizer.json, or a GPT-2's
+    vocab.json and merges.txt (data.tokenizer.HFTokenizer), or for a GPT-2 with none of them, our
+    shipped copy of GPT-2's BPE. (A
     tokenizer.json that is GPT-2's BPE itself, as the Hub's GPT-2 folders hold, is the same
     tokenizer as that copy: data.tokenizer.same_tokenizer, so it finetunes on data prepared with it.)"""
     path = Path(path).expanduser()
     tokenizer = path / "tokenizer.json"
-    if not tokenizer.is_file() and folder_family(read_config(path), path / "config.json") == "gpt2":
+    own = tokenizer.is_file() or (path / "vocab.json").is_file()  # (GPT-2's slow tokenizer's files)
+    if not own and folder_family(read_config(path), path / "config.json") == "gpt2":
         meta = GPT2_DATA_META
     else:
         meta = {"tokenizer": "hf", "path": str(tokenizer), "vocab": None, "vocab_size": None}

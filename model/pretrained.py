@@ -28,6 +28,7 @@ FAMILIES = {"gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Q
 # A config.json without model_type: the family its architectures name, or GPT-2 if it has GPT-2's keys.
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the weights a folder may hold, as safetensors names them
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")  # (a folder with neither has no weights)
 # Files of a Hugging Face folder that are not a model by themselves: the folder is (model.checkpoint.find).
 FOLDER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
@@ -210,8 +211,12 @@ def read_shapes(path: Path) -> dict[str, tuple[str, tuple]]:
         try:
             with safe_open(path / file, framework="pt") as f:
                 header = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
         except Exception as e:  # noqa: BLE001  safetensors' own error for a damaged file, or an OSError
             raise ValueError(f"{path / file} cannot be read ({type(e).__name__}: {e})") from e
+        if other := next((name for name, dtype in dtypes.items() if dtype not in FLOAT_DTYPES), None):
+            raise ValueError(f"{path / file}: {other} holds {dtypes[other]} numbers, not float weights "
+                             f"(kvgpt reads {', '.join(FLOAT_DTYPES)}; quantized folders are not read)")
         if twice := sorted(header.keys() & shapes.keys()):
             raise ValueError(f"{path / file}: {twice[0]} is in {shapes[twice[0]][0]} too (a tensor is in one "
                              f"file of a folder)")

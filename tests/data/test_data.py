@@ -461,3 +461,29 @@ def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
         assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
         (tmp_path / "tokenizer.json").write_text("{not json")
         assert not is_gpt2_bpe(tmp_path / "tokenizer.json")
+
+
+def test_a_gpt2_folders_vocab_and_merges_are_its_tokenizer_where_it_has_no_tokenizer_json(tmp_path):
+    """A GPT-2 saved with transformers' slow tokenizer holds vocab.json and merges.txt, no
+    tokenizer.json: they are its tokenizer (a byte-level BPE), encoding as transformers' GPT2Tokenizer
+    reads the same files, and GPT-2's own pair is GPT-2's BPE (is_gpt2_bpe); a folder with neither
+    is one line saying what it lacks."""
+    from transformers import GPT2Tokenizer
+
+    from data.tokenizer import BPETokenizer, HFTokenizer, is_gpt2_bpe
+
+    text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[-2000:] + " 12345 ’s  \n\t"
+    for name, source in (("small", json.loads(shakespeare_tokenizer())),
+                         ("gpt2", json.loads(gpt2_tokenizer_json()))):
+        folder = tmp_path / name
+        folder.mkdir()
+        merges = [m if isinstance(m, str) else " ".join(m) for m in source["model"]["merges"]]
+        (folder / "vocab.json").write_text(json.dumps(source["model"]["vocab"]))
+        (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+        ours = HFTokenizer(folder / "tokenizer.json")
+        theirs = GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+        assert ours.encode(text) == theirs.encode(text) and ours.decode(ours.encode(text)) == text
+        assert is_gpt2_bpe(folder / "tokenizer.json") == (name == "gpt2")
+    assert HFTokenizer(tmp_path / "gpt2" / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in .* \(nor vocab.json and merges.txt\)"):
+        HFTokenizer(tmp_path / "tokenizer.json")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from model.device import Precision
-from model.generation import generate, left_pad, load_model
+from model.generation import generate, load_model
 from tests.helpers import stream_logits
 from tests.real_model import FOLDER, MAKE
 
@@ -51,13 +51,14 @@ def test_in_float32_batched_rows_and_the_uncached_reference_give_each_prompts_ow
 
 
 def test_in_bfloat16_with_int8_weights_a_batched_row_is_its_prompt_alone_to_rounding():
-    """generate.py's default on a CPU: each batched row's logits, along its prompt's tokens alone,
-    are those alone to bfloat16's rounding (not bit for bit: a batch's products round otherwise)."""
+    """generate.py's default on a CPU: each batched row's logits are those of its prompt alone to
+    bfloat16's rounding (not bit for bit: a batch's products round otherwise), along the same
+    tokens (8: before any of these prompts' texts part)."""
     model, prompts = smollm2(Precision("bfloat16", "int8"))
-    idx, pad = left_pad(prompts, "cpu")
-    alone = [stream_logits(model, [p], 8)[1] for p in prompts]            # [(1, vocab)] a token
-    _, batched = stream_logits(model, prompts, 8)                         # [(B, vocab)] a token
-    for row, logits in enumerate(alone):
+    alone = [stream_logits(model, [p], 8) for p in prompts]               # ([(T + 8,)], [(1, vocab)] a token)
+    rows, batched = stream_logits(model, prompts, 8)                      # [(T + 8,)], [(B, vocab)] a token
+    for row, (tokens, logits) in enumerate(alone):
+        assert torch.equal(rows[row], tokens[0]), row
         got, want = torch.stack([step[row] for step in batched]), torch.cat(logits)
         assert ((got.float() - want.float()).norm() / want.float().norm()) < 2e-2, row
 

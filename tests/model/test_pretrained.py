@@ -238,6 +238,18 @@ def test_a_weight_missing_left_over_or_of_another_shape_is_named(tmp_path, folde
     assert_one_line(error, named)
 
 
+@pytest.mark.parametrize("dtype,named", [(torch.int32, "I32"), (torch.int8, "I8"), (torch.bool, "BOOL"),
+                                         (torch.float8_e4m3fn, "F8_E4M3")])
+def test_weights_that_are_not_floats_are_refused_before_any_model_is_built(tmp_path, folders, dtype, named):
+    """A tensor of integers, booleans or a quantized float of the right shape would be cast silently
+    by load_state_dict: its header's dtype is read with its shape, and refused, naming file and tensor."""
+    path = copy_folder(folders["llama"], tmp_path / "folder")
+    change_weights(path, lambda w: w.update({"model.norm.weight": w["model.norm.weight"].to(dtype)}))
+    with pytest.raises(ValueError, match=f"holds {named} numbers, not float weights") as error:
+        folder_config(path)
+    assert_one_line(error, f"{path / 'model.safetensors'}: model.norm.weight")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_a_nan_or_inf_in_a_folder_is_refused_naming_the_file_and_the_tensor(tmp_path, folders, dtype, value):
