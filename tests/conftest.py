@@ -82,17 +82,37 @@ def hf_folders(tmp_path_factory) -> dict:
     return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
 
 
+INT8_STEP = ("import torch; from model.decode_step import CompiledDecodeStep; "
+             "from tests.helpers import int8_main_job; "
+             "CompiledDecodeStep(int8_main_job(), batch_size=2, kv_dtype=torch.int8, max_len=8)")
+
+
+def build_int8_package(tmp_path):
+    """The int8 decode step of tests.helpers.int8_main_job built into inductor's cache folder (or
+    found there, from an earlier session), in a process of its own: returned as the function that
+    runs it, which conftest starts with the session, beside the suite (its build takes ~30 s)."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, clean_env
+
+    env = clean_env()
+    return lambda: subprocess.run([sys.executable, "-c", INT8_STEP], cwd=ROOT, env=env, check=True,
+                                  capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="session")
-def int8_package() -> tuple:
-    """(the folder, the package, its key) of the int8 decode step of tests.helpers.int8_main_job in
-    inductor's cache folder: built once a session (or found, from an earlier one), for the tests of
-    the package and test_quantize's decode modes, which load it."""
-    from model.decode_step import CompiledDecodeStep, dynamic_cells
+def int8_package(started_with_the_session) -> tuple:
+    """(the folder, the package, its key) of the int8 decode step of tests.helpers.int8_main_job
+    (build_int8_package), for the tests of the package and test_quantize's decode modes, which load it."""
+    from model.decode_step import dynamic_cells
     from model.step_package import inductor_folder, package_key
     from tests.helpers import int8_main_job
 
-    step = CompiledDecodeStep(int8_main_job(), batch_size=2, kv_dtype=torch.int8, max_len=8)
-    key = package_key(step.model, step.cache, dynamic_cells(step.cache))
+    started_with_the_session["int8 package"].result()
+    model = int8_main_job()
+    cache = model.new_kv_cache(2, 8, dtype=torch.int8)
+    key = package_key(model, cache, dynamic_cells(cache))
     folder = inductor_folder() / "kvgpt"
     (package,) = folder.glob(f"{key}.*.pt2")
     return folder, package, key
@@ -123,9 +143,10 @@ def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def started_with_the_session(request, hermetic_env, tmp_path_factory):
     """The tests that run many commands (every README and docs command; every command of the GPU
-    plan) start them when the session starts, each in a background thread, beside the rest of the
-    suite (a command is mostly process start-up, on the core the in-process tests leave idle); each
-    test waits for its own. Yields {test name: the future of its run} for the tests selected."""
+    plan; a compile on a full disk; the int8 step's package) start them when the session starts, each
+    in a background thread, beside the rest of the suite (a command is mostly process start-up, on the
+    core the in-process tests leave idle); each test waits for its own. Yields {test name: the future
+    of its run} for the tests selected."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.model.test_step_package import run_a_compile_on_a_full_disk
@@ -135,8 +156,11 @@ def started_with_the_session(request, hermetic_env, tmp_path_factory):
     starts = {"test_every_command_of_the_readme_and_docs_runs_as_written": run_every_command,
               "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan,
               "test_a_write_refused_while_compiling_is_one_line_and_leaves_nothing_cut_short":
-                  run_a_compile_on_a_full_disk}
+                  run_a_compile_on_a_full_disk,
+              "int8 package": build_int8_package}  # (for the tests that use the int8_package fixture)
     selected = set() if request.config.getoption("--gpu") else {item.name for item in request.session.items}
+    if selected and any("int8_package" in item.fixturenames for item in request.session.items):
+        selected.add("int8 package")
     wanted = {name: start for name, start in starts.items() if name in selected}
     if run_the_plan in wanted.values():
         request.getfixturevalue("char_data")  # the corpus the plan's commands find prepared
