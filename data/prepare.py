@@ -283,10 +283,10 @@ def load_prepared(prepared_dir: Path):
                          f"run, or python -m cli.prepare)") from e
 
 
-def read_prepared(prepared_dir: Path):
+def read_prepared(prepared_dir: Path, ids: bool = True):
     meta = json.loads((prepared_dir / "meta.json").read_text())
     train, val = (np.load(prepared_dir / f"{s}.npy", mmap_mode="r") for s in ("train", "val"))
-    check_prepared(meta, train, val)
+    check_prepared(meta, train, val, ids)
     return meta, train, val
 
 
@@ -294,8 +294,8 @@ def damaged(prepared_dir: Path) -> str | None:
     """What is wrong with a prepared folder, None if nothing: load_prepared's checks, and the sha256
     of each array modified after meta.json against the one it records (a file changed in place, its
     size kept)."""
-    try:
-        meta, _, _ = read_prepared(prepared_dir)
+    try:  # (its ids are load_prepared's to check, once a run: an array changed since is hashed below)
+        meta, _, _ = read_prepared(prepared_dir, ids=False)
     except ValueError as e:
         return str(e)
     except OSError as e:
@@ -310,10 +310,11 @@ def damaged(prepared_dir: Path) -> str | None:
     return None
 
 
-def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
+def check_prepared(meta, train: np.ndarray, val: np.ndarray, ids: bool = True) -> None:
     """What load_prepared reads is what write_prepared writes, or a ValueError saying what is not:
-    meta.json names a tokenizer whose vocabulary holds every token id of the arrays, their
-    lengths and dtype, and its fields are as written (meta_sha256: no hand edit passes)."""
+    meta.json names a tokenizer whose vocabulary holds every token id of the arrays (with `ids`: a
+    pass over them), their lengths and dtype, and its fields are as written (meta_sha256: no hand
+    edit passes)."""
     if not isinstance(meta, dict):
         raise ValueError(f"meta.json holds a {type(meta).__name__}, not an object")
     vocab_size = meta_vocab_size(meta)
@@ -323,7 +324,7 @@ def check_prepared(meta, train: np.ndarray, val: np.ndarray) -> None:
     for name, tokens in (("train", train), ("val", val)):
         if tokens.ndim != 1 or tokens.dtype.kind != "u" or meta.get(f"{name}_tokens") != len(tokens):
             raise ValueError(f"{name}.npy is not the {meta.get(f'{name}_tokens')!r} token ids meta.json says")
-        if len(tokens) and int(tokens.max()) >= vocab_size:
+        if ids and len(tokens) and int(tokens.max()) >= vocab_size:
             raise ValueError(f"{name}.npy holds token id {int(tokens.max())}, past the vocabulary "
                              f"({vocab_size})")
         if tokens.dtype.name != meta.get("dtype"):

@@ -18,7 +18,7 @@ import torch
 
 from model.config import GPTConfig
 from model.gpt import GPT
-from model.pretrained import FOLDER_FILES, WEIGHT_FILES, folder_family, read_config
+from model.pretrained import FOLDER_FILES, WEIGHT_FILES, folder_family, is_finite, read_config
 
 RUN_FILES = ("ckpt.pt", "best.pt")  # a run dir's checkpoints: the last state, and the best val loss
 GPT2_DATA_META = {"tokenizer": "bpe", "vocab": None, "vocab_size": 50257}  # a GPT-2's, as data/ writes it
@@ -248,7 +248,7 @@ def check_weights(weights: dict, expected: dict) -> None:
             describe = lambda t: "absent" if t is None else f"shape {tuple(t.shape)}"
             raise ValueError(f"weights do not match its model config ({name}: "
                              f"{describe(got)} in the checkpoint, {describe(want)} in the model)")
-        if got.is_floating_point() and not torch.isfinite(got).all():
+        if not is_finite(got):
             raise ValueError(f"its weights hold NaN or inf ({name}): a diverged run's, or a damaged file")
 
 

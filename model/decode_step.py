@@ -21,6 +21,7 @@ from model.step_package import (
     load_package,
     mark_compiled,
     package_key,
+    package_runner,
     writable_folder,
 )
 
@@ -192,14 +193,13 @@ class CompiledDecodeStep:
         folder = inductor_folder() / "kvgpt"
         key = package_key(self.model, self.cache, dynamic)
         runner = load_package(folder, key)
-        if runner is None:
+        if runner is None:  # built, then loaded as it is (its digest is its name: not read again)
             example = (self.token, self.input_pos, self.pad, cells_read, tensors)
             export = functools.partial(export_step, self.model, self.cache, example, reads_written, dynamic,
                                        kernels=self.kernels)
-            build_package(folder, key, export, self.model)
-            runner = load_package(folder, key)
+            runner = package_runner(path := build_package(folder, key, export, self.model))
             if runner is None:
-                raise RuntimeError(f"the decode step just compiled into {folder} does not load")
+                raise RuntimeError(f"the decode step just compiled, {path}, does not load")
         ranges = runner.get_metadata()
         low, high = (int(n) for n in ranges["reads"].split())
         cells_low, cells_high = (int(n) for n in ranges["cells"].split())

@@ -215,11 +215,11 @@ class GPT(nn.Module):
 
     def cache_misfit(self, cache: KVCache, rows: int) -> str:
         """Why `cache` does not fit (`fits`), in a sentence."""
-        weight, (windows, heads, key_dim, *_) = self.wte.weight, cache.layout
-        n_kv_head, width, _ = self.kv_shape()
-        latent = cache.layout[3] != self.kv_shape()[2]
+        weight, (windows, heads, key_dim, in_keys, _) = self.wte.weight, cache.layout
+        n_kv_head, width, model_in_keys = self.kv_shape()
         reasons = [(rows > cache.batch_size, f"{cache.batch_size} row(s), fewer than the batch's {rows}"),
-                   (latent, "an MLA latent per position" if cache.layout[3] else "K and V per K/V head"),
+                   (in_keys != model_in_keys,
+                    "an MLA latent per position" if in_keys else "K and V per K/V head"),
                    (len(windows) != self.config.kv_layers,
                     f"{len(windows)} layer groups, not the model's {self.config.kv_layers}"),
                    ((heads, key_dim) != (n_kv_head, width),

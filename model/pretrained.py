@@ -243,7 +243,8 @@ def read_weights(path: Path) -> dict:
 
 
 def is_finite(tensor: torch.Tensor) -> bool:
-    """Every number of `tensor` finite. Its least and greatest (NaN, where there is one) say so in one
+    """Every number of `tensor` finite (a folder's weights, and our checkpoints': model.checkpoint).
+    Its least and greatest (NaN, where there is one) say so in one
     pass that allocates nothing: ~0.1 s of one core for 135M float32, a tenth of isfinite().all()'s."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return True

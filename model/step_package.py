@@ -203,16 +203,16 @@ def package_runner(path: Path):
     else:
         atexit.register(shutil.rmtree, unpacked, True)
     tmpdir = os.environ.get("TMPDIR")
+    if unpacked is not None:
+        os.environ["TMPDIR"] = unpacked  # where the runner unpacks (C++'s temp_directory_path)
     try:
-        if unpacked is not None:
-            os.environ["TMPDIR"] = unpacked  # where the runner unpacks (C++'s temp_directory_path)
         return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     except RuntimeError:
         return None
-    finally:
-        if unpacked is not None and tmpdir is None:
-            del os.environ["TMPDIR"]
-        elif unpacked is not None:
+    finally:  # (as it was)
+        if tmpdir is None:
+            os.environ.pop("TMPDIR", None)
+        else:
             os.environ["TMPDIR"] = tmpdir
 
 
@@ -272,6 +272,6 @@ def process_runs(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
-        return True
+    except PermissionError:  # another user's: it runs
+        pass
     return True
