@@ -68,11 +68,12 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from cli.errors import ArgumentParser  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from model.attention import SplitKV  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
 from model.decode_step import CompiledDecodeStep, decode_backends  # noqa: E402
 from model.device import Precision, synchronized_clock  # noqa: E402
-from model.generation import for_decoding, generate  # noqa: E402
+from model.generation import generate  # noqa: E402
+from model.kernels import SplitKV  # noqa: E402
+from model.loading import for_decoding  # noqa: E402
 from training.evaluation import target_windows  # noqa: E402
 from training.optimizer import BatchedMuon, configure_optimizer  # noqa: E402
 from training.run_dir import append_line  # noqa: E402
@@ -658,7 +659,7 @@ INDUCTOR_OPTIONS = {  # name: torch._inductor.config settings the compiled step 
     "max-autotune+coordinate-descent+pdl": {"max_autotune": True, "coordinate_descent_tuning": True,
                                             "triton.enable_pdl": True},
     # The matrix products alone chosen so (FlexAttention's kernel keeps the configuration the step
-    # gives it: model.attention.decode_kernel_options): Triton's templates with a bias, GELU or
+    # gives it: model.kernels.decode_kernel_options): Triton's templates with a bias, GELU or
     # residual fused in, against cuBLAS, at batch 1 and at 256
     "max-autotune-gemm": {"max_autotune_gemm": True},
     "max-autotune-gemm+coordinate-descent": {"max_autotune_gemm": True, "coordinate_descent_tuning": True},
@@ -1041,7 +1042,8 @@ def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> di
     (CUDA already started): loading the checkpoint, building the default decode step, the prefill
     to the first token, the rest; then the step's GPU busy time per token against its wall time."""
     from model.device import Precision
-    from model.generation import load_model, stream
+    from model.generation import Decoding, stream
+    from model.loading import load_model
     from model.sampling import Sampling
 
     clock = synchronized_clock(device)
@@ -1053,13 +1055,13 @@ def generate_phases(ckpt: Path, new: int, device: torch.device, out: Path) -> di
     prompt = torch.zeros(1, 1, dtype=torch.long, device=device)
     sampling = Sampling(new, temperature=0.8, top_k=200)
     generator = torch.Generator(device).manual_seed(0)
-    tokens = stream(model, prompt, sampling, decode_step=step, generator=generator)
+    tokens = stream(model, prompt, sampling, Decoding(decode_step=step), generator=generator)
     next(tokens)
     t3 = clock()
     for token in tokens:
         token.tolist()  # as print_samples reads each step
     t4 = clock()
-    sample = lambda: [t.tolist() for t in stream(model, prompt, sampling, decode_step=step)]  # noqa: E731
+    sample = lambda: [t.tolist() for t in stream(model, prompt, sampling, Decoding(decode_step=step))]  # noqa: E731
     gpu_ms, kernels, _ = profiled(sample, out, "generate_default", device)
     return {"load s": t1 - t0, "build step s": t2 - t1, "to the first token s": t3 - t2,
             "the rest s": t4 - t3, "tokens/s": (new - 1) / (t4 - t3), "GPU busy ms/token": gpu_ms / new,

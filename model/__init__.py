@@ -1,9 +1,9 @@
-"""A GPT and what decoding it needs, importing torch (safetensors: Hugging Face folders) and itself. Its
-files, bottom up: config, device, kv_cache, quantize, attention (the one core), pretrained, gpt,
-checkpoint, convert, sampling, prefill, step_package, decode_step, recorder, generation."""
+"""A GPT and what decoding it needs, importing torch (safetensors: Hugging Face folders) and itself.
+model/core/ is the core a learner reads (config, attention, kv_cache, gpt, generate); every other file
+builds one extension on it (docs/variants.md, "Where each extension lives")."""
 
-from model.attention import attend
 from model.config import GPTConfig
+from model.core.attention import attend
 from model.generation import generate, load_model
 from model.gpt import GPT
 from model.kv_cache import KVCache

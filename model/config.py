@@ -1,31 +1,22 @@
-"""GPTConfig: every architectural choice of the model, checked once at construction."""
+"""GPTConfig: the core's config (model/core/config.py) with the extensions' fields: multi-head latent
+attention, cross-layer K/V sharing, sliding windows and sinks, qk-norm, Qwen2's q/k/v biases and
+Llama 3's RoPE scaling; every architectural choice checked once at construction."""
 
 import dataclasses
 import math
-import numbers
 import typing
 from dataclasses import dataclass
 
-INT64_MAX = 2**63 - 1  # the largest integer torch holds
+from model.core.config import INT64_MAX, check_int, check_integer, is_integer, is_real  # noqa: F401
+from model.core.config import GPTConfig as CoreConfig
+
 # Llama 3's RoPE scaling (rope_type llama3): wavelengths past original_max_position_embeddings /
 # low_freq_factor are stretched by `factor`, those under ... / high_freq_factor kept, those between blended.
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
-OPTIONS = {
-    "pos_emb": ("learned", "rope"),
-    "norm": ("layernorm", "rmsnorm"),
-    "mlp": ("gelu", "gelu_exact", "swiglu"),
-    "attn_backend": ("sdpa", "naive"),
-}
-
 
 @dataclass
-class GPTConfig:
-    vocab_size: int | None = 50257  # None only in configs/model/: train.py takes the data's
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int | None = None  # None means n_head (MHA); 1 is MQA; in between is GQA
+class GPTConfig(CoreConfig):
     mla_latent_dim: int | None = None  # set: multi-head latent attention, K/V from a latent this wide
     mla_rope_dim: int = 0  # MLA: width of the decoupled RoPE key shared by all heads
     kv_share: int = 1  # adjacent layers sharing one K/V (cross-layer attention); 1: each its own
@@ -33,63 +24,23 @@ class GPTConfig:
     window_pattern: str | None = None  # per layer S (within attn_window) or L (all), tiled; None: all S
     attn_sinks: int = 0  # windowed layers also see the first attn_sinks positions, forever (StreamingLLM)
     attn_sink_logit: bool = False  # a learned logit per head joins every softmax (gpt-oss's sinks)
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear layers and LayerNorm, as in GPT-2
-    pos_emb: str = "learned"
-    norm: str = "layernorm"
-    mlp: str = "gelu"  # GPT-2's tanh-approximated GELU; gelu_exact: the erf one (nanoGPT's nn.GELU)
-    qk_norm: bool = False
-    tie_embeddings: bool = True
-    attn_backend: str = "sdpa"
-    norm_eps: float = 1e-5
-    # What real models set (model.pretrained reads them from a config.json); None: derived as before.
-    head_dim: int | None = None  # each head's width; None: n_embd // n_head (Qwen3-0.6B: 1,024, 16 x 128)
-    mlp_hidden: int | None = None  # the MLP's hidden width; None: 4 n_embd, or 8 ceil(n_embd / 3) with SwiGLU
+    qk_norm: bool = False  # queries and keys normalised per head (Qwen3)
     qkv_bias: bool | None = None  # biases on q, k and v alone (Qwen2's); None: as `bias`
-    rope_base: float = 10000.0  # RoPE's base, theta (Llama 3: 500,000; Qwen3: 1,000,000)
     rope_scaling: list[float] | None = None  # Llama 3's frequency scaling, ROPE_SCALING_KEYS' values
 
     def __post_init__(self):
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_kv_head", "kv_share"):
-            check_int(self, name, 1)
-        if self.head_dim is None:
-            if self.n_embd % self.n_head:
-                raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head} "
-                                 f"(or set head_dim)")
-            self.head_dim = self.n_embd // self.n_head
-        check_int(self, "head_dim", 1)
-        if self.mlp_hidden is not None:
-            check_int(self, "mlp_hidden", 1)
+        self.check_sizes()
+        check_int(self, "kv_share", 1)
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise ValueError(f"GPTConfig.qkv_bias must be true, false or null, got {self.qkv_bias!r}")
-        if self.n_head % self.n_kv_head:
-            raise ValueError(
-                f"GPTConfig.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}"
-            )
         if self.kv_share > self.n_layer:
             raise ValueError(f"GPTConfig.kv_share must be in 1..n_layer={self.n_layer}, got {self.kv_share}")
         self.check_mla()
         self.check_windows()
-        for name, allowed in OPTIONS.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"GPTConfig.{name}={getattr(self, name)!r} is not one of {', '.join(allowed)}"
-                )
-        if self.pos_emb == "rope" and self.mla_latent_dim is None and self.head_dim % 2:
-            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even GPTConfig.head_dim (RoPE rotates "
-                             f"pairs of numbers), got {self.head_dim}")
-        self.check_rope()
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
-        if not 0 < self.norm_eps < math.inf:
-            raise ValueError(f"GPTConfig.norm_eps must be a positive finite number, got {self.norm_eps}")
+        self.check_options()
+        self.check_rope_scaling()
 
-    def check_rope(self) -> None:
-        if not is_real(self.rope_base) or not 1 < self.rope_base < math.inf:
-            raise ValueError(f"GPTConfig.rope_base must be a finite number > 1, got {self.rope_base!r}")
+    def check_rope_scaling(self) -> None:
         scaling = self.rope_scaling
         if scaling is None:
             return
@@ -101,15 +52,6 @@ class GPTConfig:
         if scaling[2] <= scaling[1]:
             raise ValueError(f"GPTConfig.rope_scaling: high_freq_factor must exceed low_freq_factor, got "
                              f"{scaling[2]} and {scaling[1]}")
-
-    @property
-    def mlp_width(self) -> int:
-        """The MLP's hidden width: mlp_hidden, or by default GELU's 4 n_embd, and with SwiGLU (three
-        matrices instead of two) 8 ceil(n_embd / 3), which keeps the parameter count (rounded up to
-        a multiple of 8)."""
-        if self.mlp_hidden is not None:
-            return self.mlp_hidden
-        return 8 * math.ceil(self.n_embd / 3) if self.mlp == "swiglu" else 4 * self.n_embd
 
     def check_mla(self) -> None:
         check_int(self, "mla_rope_dim", 0)
@@ -254,28 +196,6 @@ class GPTConfig:
                  else positions for w in self.kv_windows]
         return sum(cells) * (numbers * itemsize + scales * scale_itemsize)
 
-
-def check_int(config: GPTConfig, name: str, minimum: int) -> None:
-    """config.<name> is an integer (not a bool) >= minimum, or a ValueError naming the field."""
-    check_integer(getattr(config, name), f"GPTConfig.{name}", minimum)
-
-
-def check_integer(value, name: str, minimum: int = 0, maximum: int = INT64_MAX) -> None:
-    """value is an integer (not a bool) in minimum..maximum, or a ValueError naming it `name`."""
-    if not is_integer(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    if value > maximum:
-        raise ValueError(f"{name} must be at most {maximum}, got {value}")
-
-
-def is_integer(value) -> bool:
-    """An int of any kind (Python's, numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def is_real(value) -> bool:
-    """A real number of any kind (int, float, numpy's), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def check_integer_fields(config, prefix: str) -> None:

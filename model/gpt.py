@@ -1,97 +1,55 @@
-"""A causal GPT built from the one attention core, with a static KV cache for decoding."""
+"""The GPT of every variant, built on the core GPT (model/core/gpt.py): layers of any attention variant,
+a cache of groups, rings and storage kinds it checks it fits, batched prompts left-padded, chunks of
+any length, Hugging Face folders, and its output layer padded for CUDA's fast kernels."""
 
-import math
 import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.attention import CausalSelfAttention, LatentAttention, make_norm, rope_angles, visible
+from model.attention import CausalSelfAttention
 from model.config import GPTConfig, check_integer
+from model.core.gpt import GPT as CoreGPT
+from model.core.gpt import Block as CoreBlock
 from model.kv_cache import KVCache, layout, storage_dtype
+from model.latent import LatentAttention
 from model.pretrained import FAMILIES, read_folder
+from model.rope import rope_at
+from model.windows import visible
 
 
-def make_dropout(config: GPTConfig):
-    """Dropout at config.dropout, or with none the identity function: a module that drops nothing
-    still costs each call (~1-2 µs of a CPU decode step's ~1 ms at the CPU main job's size, nine
-    calls a token)."""
-    return nn.Dropout(config.dropout) if config.dropout else no_dropout
+class Block(CoreBlock):
+    """The core block with the variant's attention layer (MLA's where mla_latent_dim is set). It returns
+    the keys and values its layer attended over too: a kv_share group's later layers attend over them."""
 
-
-def no_dropout(x):
-    return x
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.swiglu, self.exact_gelu = config.mlp == "swiglu", config.mlp == "gelu_exact"
-        hidden = config.mlp_width
-        self.fc = nn.Linear(config.n_embd, hidden * (2 if self.swiglu else 1), bias=config.bias)
-        self.proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
-
-    def forward(self, x):
-        if self.swiglu:
-            gate, up = self.fc(x).chunk(2, dim=-1)
-            return self.proj(F.silu(gate) * up)
-        # GPT-2's GELU is tanh-approximated; the exact one (erf) is 2-4x cheaper on a CPU.
-        return self.proj(F.gelu(self.fc(x), approximate="none" if self.exact_gelu else "tanh"))
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: GPTConfig, layer_idx: int):
-        super().__init__()
-        self.norm_1 = make_norm(config, config.n_embd)
-        attention = CausalSelfAttention if config.mla_latent_dim is None else LatentAttention
-        self.attn = attention(config, layer_idx)
-        self.norm_2 = make_norm(config, config.n_embd)
-        self.mlp = MLP(config)
-        self.dropout = make_dropout(config)
+    def attention(self, config: GPTConfig, layer_idx: int):
+        return (CausalSelfAttention if config.mla_latent_dim is None else LatentAttention)(config, layer_idx)
 
     def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cache_len=None, pad=None):
-        """Returns the new x and the keys/values the attention used (for layers sharing them). The
-        other arguments are the attention's (CausalSelfAttention.forward), passed in its order."""
-        out, kv = self.attn(self.norm_1(x), rope, kv_cache, input_pos, attn_mask, shared_kv, cache_len, pad)
+                cells_read=None, pad=None):
+        """(the new x, the keys and values attended over). The other arguments are the attention's
+        (CausalSelfAttention.forward), passed in its order."""
+        out, kv = self.attn(self.norm_1(x), rope, kv_cache, input_pos, attn_mask, shared_kv, cells_read, pad)
         x = x + self.dropout(out)
         return x + self.dropout(self.mlp(self.norm_2(x))), kv
 
 
-class GPT(nn.Module):
+class GPT(CoreGPT):
+    """The core GPT with every extension: its blocks are `Block`s, and it reads caches of any kind."""
+
+    block = Block
+
     def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.config = config
-        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
-        self.drop = make_dropout(config)
-        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
-        self.norm_f = make_norm(config, config.n_embd)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        super().__init__(config)
         # Each window the layers have (None: the whole context), with the cache group of its first
         # layer: attention_masks makes one mask each, every step.
         self.window_groups = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
         scaling = None if config.rope_scaling is None else tuple(config.rope_scaling)
-        self.rope = (config.rope_dim, config.rope_base, scaling)  # rope_angles' arguments after the positions
-        if config.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.rope = (config.rope_dim, config.rope_base, scaling)  # rope_at's arguments after the positions
         # The layouts of the caches this model reads (KVCache.layout): its windows as rings, or none
         self.kv_layouts = {layout(windows, *self.kv_shape(), config.attn_sinks)
                            for windows in (config.kv_windows, [None] * config.kv_layers)}
-
-        # GPT-2 init: N(0, 0.02), residual projections scaled by 1/sqrt(2·n_layer) so the
-        # residual stream's variance does not grow with depth.
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @classmethod
     def from_pretrained(cls, path, dropout: float = 0.0, dtype=torch.float32) -> "GPT":
@@ -231,33 +189,33 @@ class GPT(nn.Module):
         why = next((why for wrong, why in reasons if wrong), "other windows or sinks than the model's")
         return f"kv_cache does not fit this model: it holds {why} (make it with model.new_kv_cache)"
 
-    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cache_len=None, last_only=False):
+    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cells_read=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
         decode step built on it compiles to one fixed-shape graph. Attention reads what the cache
-        holds of positions 0 .. cache_len - 1, or with None every cell, masked by the position it
+        holds of positions 0 .. cells_read - 1, or with None every cell, masked by the position it
         holds (the compiled step's fixed shape)."""
-        masks = self.attention_masks(input_pos, kv_cache, pad, cache_len)  # per layer window
+        masks = self.attention_masks(input_pos, kv_cache, pad, cells_read)  # per layer window
         positions = input_pos if pad is None else (input_pos - pad[:, None]).clamp(min=0)  # (T,) or (B, T)
         x = self.wte(idx)                                                # (B, T, n_embd)
         rope = None
         if self.wpe is not None:
             x = x + self.wpe(positions)
         else:
-            cos, sin = rope_angles(positions, *self.rope)                # (T or B,T, rope_dim)
+            cos, sin = rope_at(positions, *self.rope)                # (T or B,T, rope_dim)
             if positions.dim() == 2:
                 cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)            # (B, 1, T, rope_dim)
             rope = (cos, sin)
         x = self.drop(x)
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
-            x, kv = block(x, rope, kv_cache, input_pos, masks[block.attn.window], kv, cache_len, pad)
+            x, kv = block(x, rope, kv_cache, input_pos, masks[block.attn.window], kv, cells_read, pad)
         if last_only:
             x = x[:, -1:]                                                # (B, 1, n_embd)
         logits = self.lm_head(self.norm_f(x))                            # (B, T or 1, rows >= vocab_size)
         vocab = self.config.vocab_size  # (rows past it: pad_head_rows', on CUDA only)
         return logits if logits.size(-1) == vocab else logits[..., :vocab]  # (B, T or 1, vocab_size)
 
-    def attention_masks(self, input_pos, kv_cache=None, pad=None, cache_len=None) -> dict:
+    def attention_masks(self, input_pos, kv_cache=None, pad=None, cells_read=None) -> dict:
         """{window: mask} for each window the layers have (None: the whole context): the mask of the
         keys a layer with that window reads (GroupCache.key_positions), or None where they are positions
         0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
@@ -265,9 +223,9 @@ class GPT(nn.Module):
         masks, attn_sinks = {}, self.config.attn_sinks
         for window, group in self.window_groups.items():
             key_pos = None if kv_cache is None else kv_cache.groups[group].key_positions(
-                input_pos, cache_len, pad)                                       # (S,), (B, S) or None
+                input_pos, cells_read, pad)                                       # (S,), (B, S) or None
             if key_pos is None and pad is not None:
-                S = input_pos.size(0) if kv_cache is None else cache_len
+                S = input_pos.size(0) if kv_cache is None else cells_read
                 key_pos = torch.arange(S, device=input_pos.device)
             masks[window] = None if key_pos is None else visible(input_pos, key_pos, window, attn_sinks, pad)
         return masks

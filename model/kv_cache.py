@@ -27,30 +27,30 @@ class GroupCache:
     def __init__(self, k: "Stored", v: "Stored | None"):
         self.k, self.v, self.cells = k, v, k.cells
 
-    def update(self, input_pos, k, v=None, read=None, pad=None):
+    def update(self, input_pos, k, v=None, cells_read=None, pad=None):
         """Write k and v (B, heads, T, dim) at positions input_pos (T,) of the first B rows; return
-        the K and V attention reads: what was given, into an empty cache (read == T), else the
-        first `read` cells (None: every cell, the compiled step's fixed shape)."""
-        keys = self.write(self.k, input_pos, k, read, pad)
-        return keys, keys if self.v is None else self.write(self.v, input_pos, v, read, pad)
+        the K and V attention reads: what was given, into an empty cache (cells_read == T), else the
+        first `cells_read` cells (None: every cell, the compiled step's fixed shape)."""
+        keys = self.write(self.k, input_pos, k, cells_read, pad)
+        return keys, keys if self.v is None else self.write(self.v, input_pos, v, cells_read, pad)
 
-    def write(self, stored, input_pos, x, read, pad):
+    def write(self, stored, input_pos, x, cells_read, pad):
         """Store x (B, heads, T, dim) at input_pos; return what attention reads of `stored`."""
         new = stored.put(input_pos, x)                                   # position p in cell p
         T = x.size(2)
-        if read == T:
+        if cells_read == T:
             return new
-        return stored.read(x.size(0), self.cells if read is None else read, T == 1)
+        return stored.read(x.size(0), self.cells if cells_read is None else cells_read, T == 1)
 
     def place(self, stored, input_pos, parts, pad=None) -> None:
         """Put parts (B, heads, T, .), x as `stored` keeps it (`Stored.encode`), at input_pos."""
         stored.place(input_pos, parts)
 
-    def key_positions(self, input_pos, read, pad=None) -> torch.Tensor | None:
-        """The position each key attention reads holds, (S,): None where the first `read` cells are
-        positions 0 .. read-1 in order (a causal mask describes them); every cell by position when
-        read is None."""
-        return None if read is not None else torch.arange(self.cells, device=input_pos.device)
+    def key_positions(self, input_pos, cells_read, pad=None) -> torch.Tensor | None:
+        """The position each key attention reads holds, (S,): None where the first `cells_read` cells are
+        positions 0 .. cells_read-1 in order (a causal mask describes them); every cell by position when
+        cells_read is None."""
+        return None if cells_read is not None else torch.arange(self.cells, device=input_pos.device)
 
 
 class Stored:
@@ -123,7 +123,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Quantized(NamedTuple):
     """What an int8 cache hands a one-token step: the rows as stored, int8 (B, heads, S, dim), and
-    their scales (B, heads, S, 1). Attention reads them so (attention.attend_quantized), in one pass
+    their scales (B, heads, S, 1). Attention reads them so (kernels.attend_quantized), in one pass
     over the int8 numbers, instead of a float copy of the cache."""
 
     values: torch.Tensor
@@ -179,16 +179,16 @@ class Ring(GroupCache):
         super().__init__(k, v)
         self.window, self.sinks = window, sinks
 
-    def write(self, stored, input_pos, x, read, pad):
+    def write(self, stored, input_pos, x, cells_read, pad):
         T, old = x.size(2), None
-        if self.reads_before_writing(T, read):  # a copy: the chunk overwrites cells of it
+        if self.reads_before_writing(T, cells_read):  # a copy: the chunk overwrites cells of it
             old = stored.read(x.size(0), self.cells)                      # a converted copy, or a view:
             old = old if isinstance(stored, Converted) else old.clone()
         parts, new = stored.encode(x)                                      # as kept; as read back
         self.place(stored, input_pos, parts, pad)
         if old is not None:
             return torch.cat([old, new], dim=2)                            # (B, heads, cells + T, dim)
-        return new if read == T else stored.read(x.size(0), self.cells, T == 1)
+        return new if cells_read == T else stored.read(x.size(0), self.cells, T == 1)
 
     def place(self, stored, input_pos, parts, pad=None) -> None:
         """The last `window` positions, each in its cell; each row's sinks in theirs."""
@@ -209,19 +209,19 @@ class Ring(GroupCache):
             for tensor, part in zip(stored.rows(B), parts):
                 tensor[:, :, s] = torch.where(written, part[rows, :, t], tensor[:, :, s])
 
-    def reads_before_writing(self, T, read) -> bool:
+    def reads_before_writing(self, T, cells_read) -> bool:
         """A chunk of T > 1 positions into a ring that holds earlier ones: its queries need keys the
         chunk overwrites, so attention reads the ring as it was, then the chunk."""
-        return T > 1 and read is not None and read > T
+        return T > 1 and cells_read is not None and cells_read > T
 
-    def key_positions(self, input_pos, read, pad=None) -> torch.Tensor | None:
-        """(S,) or (B, S) with `pad`: the T new positions as written into an empty ring (read == T:
+    def key_positions(self, input_pos, cells_read, pad=None) -> torch.Tensor | None:
+        """(S,) or (B, S) with `pad`: the T new positions as written into an empty ring (cells_read == T:
         None), every cell after writing one position, or every cell as it was followed by the T new
         (reads_before_writing). -1 where a cell is to be hidden."""
         T = input_pos.size(0)
-        if read == T:
+        if cells_read == T:
             return None
-        if not self.reads_before_writing(T, read):
+        if not self.reads_before_writing(T, cells_read):
             return self.positions(input_pos[-1] + 1, pad)
         return torch.cat([self.positions(input_pos[0], pad),
                           input_pos.expand(*(() if pad is None else (pad.size(0),)), T)], dim=-1)

@@ -77,14 +77,14 @@ def int8_main_job() -> GPT:
     """One layer of the CPU main job's model (block 14) from seed 0, as generate.py decodes a large
     model on a CPU: int8 weights, bfloat16 activations (test_quantize loads this one from a checkpoint)."""
     from model.device import Precision
-    from model.generation import for_decoding
+    from model.loading import for_decoding
 
     torch.manual_seed(0)
     return for_decoding(GPT(main_job_config(n_layer=1, block_size=14)), "cpu", Precision("bfloat16", "int8"))
 
 
 def split_kv_wide(overrides: dict) -> dict:
-    """tiny_model overrides with heads split-KV attention takes (model.attention.splits_kv): 16 wide,
+    """tiny_model overrides with heads split-KV attention takes (model.kernels.splits_kv): 16 wide,
     and MLA's absorbed keys 12 + 4."""
     mla = {"mla_latent_dim": 12, "mla_rope_dim": 4} if "mla_latent_dim" in overrides else {}
     return overrides | {"n_embd": 64} | mla
@@ -107,15 +107,17 @@ def cache_kind_model(overrides):
 def stream_logits(model, prompts, max_new_tokens: int, **kwargs) -> tuple[list, list]:
     """Each row's tokens, as `generate` returns them for a list of prompts, and the logits each new
     token was drawn from (the model's last forward before it): (rows, [(B, vocab)] per token)."""
-    from model.generation import left_pad, stream
+    from model.generation import Decoding, left_pad, stream
     from model.sampling import Sampling
 
     sampling = Sampling(max_new_tokens, kwargs.pop("temperature", 0), kwargs.pop("top_k", None))
+    generator = kwargs.pop("generator", None)
     idx, pad = left_pad(prompts, model.wte.weight.device)
     outputs = []
     hook = model.register_forward_hook(lambda module, args, out: outputs.append(out[:, -1]))
     try:
-        steps = [(token, outputs[-1]) for token in stream(model, idx, sampling, pad=pad, **kwargs)]
+        tokens = stream(model, idx, sampling, Decoding(**kwargs), generator=generator, pad=pad)
+        steps = [(token, outputs[-1]) for token in tokens]
     finally:
         hook.remove()
     new = torch.stack([token for token, _ in steps], dim=1)                  # (B, max_new_tokens)

@@ -20,10 +20,11 @@ from torch.nn.attention import sdpa_kernel
 from benchmarks.gpu import VARIANTS, SDPACalls, decode_step_kernels, training_kernels, variant_model
 from data.batches import Batches
 from model import GPT, GPTConfig
-from model.attention import SplitKV
 from model.decode_step import CompiledDecodeStep, decode_backends
 from model.device import Precision
-from model.generation import for_decoding, generate
+from model.generation import generate
+from model.kernels import SplitKV
+from model.loading import for_decoding
 from model.sampling import draw
 from tests.helpers import ROOT, clean_env, compose, split_kv_wide, tiny_model, train_checked
 from tests.model.test_decode_step import DECODE_VARIANTS

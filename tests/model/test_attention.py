@@ -1,27 +1,28 @@
-"""model/attention.py: `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
+"""model/core/attention.py's `attend` (naive and SDPA agree, bottom-right causal mask, GQA/MQA
 equal MHA on repeated K/V, the textbook formula, values wider or narrower than keys, an explicit
-scale), the kernel an int8 cache's one-query step runs (by the cache's size and the decode asked
-for), and split-KV's configuration in a compiled step."""
+scale); model/windows.py's windows, sinks and checked arguments; model/kernels.py's kernel an int8
+cache's one-query step runs (by the cache's size and the decode asked for), and split-KV's
+configuration in a compiled step."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import attend
-from model.attention import (
+from model.generation import Decoding, stream
+from model.kernels import (
     COMPILE_FROM,
     PAYS_FROM,
     SplitKV,
     attend_one_query,
-    causal_mask,
     compiled_attend_one_query,
     compiling_pays,
     decode_kernel_options,
     one_query_kernel,
 )
-from model.generation import stream
 from model.kv_cache import KVCache, Quantized
 from model.sampling import Sampling
+from model.windows import attend_within, causal_mask
 from tests.helpers import BOUNDED, ENDLESS, VARIANTS, cache_kind_model, tiny_model
 
 
@@ -78,11 +79,12 @@ def test_folded_query_heads_equal_sdpa_with_enable_gqa(mask, n_head, n_kv_head, 
     allowed = MASKS[mask](g, n_head)
     if allowed is not None:  # every query sees its own position (S - T + t): no row without a key
         allowed = allowed[..., :T, :] | torch.eye(9, dtype=torch.bool)[9 - T:]
-    folded = attend(q, k, v, attn_mask=allowed, window=window)
+    folded = attend_within(q, k, v, attn_mask=allowed, window=window)
     combined = causal_mask(T, 9, window=window) & (True if allowed is None else allowed)
     before = F.scaled_dot_product_attention(q, k, v, attn_mask=combined, enable_gqa=True)
     torch.testing.assert_close(folded, before, atol=1e-6, rtol=0)
-    torch.testing.assert_close(folded, attend(q, k, v, attn_mask=allowed, window=window, backend="naive"),
+    naive = attend_within(q, k, v, attn_mask=allowed, window=window, backend="naive")
+    torch.testing.assert_close(folded, naive,
                                atol=1e-6, rtol=0)
 
 
@@ -115,13 +117,13 @@ def test_values_of_another_width_than_keys(backend, d_k, d_v, n_kv_head, T, S):
 def test_bad_shapes_and_backends_name_the_problem():
     q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 3, 5, 8)
     with pytest.raises(ValueError, match="n_kv_head"):
-        attend(q, k, k)
+        attend_within(q, k, k)
     with pytest.raises(ValueError, match="backend"):
-        attend(q, q, q, backend="flash")
+        attend_within(q, q, q, backend="flash")
     with pytest.raises(ValueError, match="q and k of one width"):
-        attend(q, torch.randn(1, 1, 5, 6), torch.randn(1, 1, 5, 8))
+        attend_within(q, torch.randn(1, 1, 5, 6), torch.randn(1, 1, 5, 8))
     with pytest.raises(ValueError, match="v with k's heads and positions"):
-        attend(q, torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8))
+        attend_within(q, torch.randn(1, 1, 5, 8), torch.randn(1, 1, 4, 8))
 
 
 @pytest.mark.parametrize("backend", ["naive", "sdpa"])
@@ -136,9 +138,10 @@ def test_a_window_sees_the_last_window_keys_up_to_each_query(backend, T, S, wind
     j = torch.arange(S)
     allowed = (j <= i) & (j > i - window)                                # (T, S)
     want = attend(q, k, v, is_causal=False, attn_mask=allowed, backend="naive")
-    torch.testing.assert_close(attend(q, k, v, window=window, backend=backend), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(attend_within(q, k, v, window=window, backend=backend), want, atol=1e-6,
+                               rtol=0)
     if backend == "naive":
-        _, weights = attend(q, k, v, window=window, backend=backend, return_weights=True)
+        _, weights = attend_within(q, k, v, window=window, backend=backend, return_weights=True)
         assert torch.equal(weights[0, 0] > 0, allowed)
 
 
@@ -152,7 +155,8 @@ def test_sinks_stay_visible_beside_the_window(backend):
     assert torch.equal(causal_mask(T, S, window=window, attn_sinks=sinks), allowed)
     q, k, v = torch.randn(2, 4, T, 8), torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
     want = attend(q, k, v, is_causal=False, attn_mask=allowed, backend="naive")
-    torch.testing.assert_close(attend(q, k, v, window=window, attn_sinks=sinks, backend=backend), want,
+    torch.testing.assert_close(attend_within(q, k, v, window=window, attn_sinks=sinks, backend=backend),
+                               want,
                                atol=1e-6, rtol=0)
 
 
@@ -163,10 +167,10 @@ def test_a_learned_sink_logit_is_a_key_of_zero_value_in_every_softmax(backend):
     logit learns (its gradient reaches it)."""
     q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
     sink = torch.tensor([0.0, 1.0, -2.0, 3.0], requires_grad=True)
-    out = attend(q, k, v, sink_logit=sink, backend=backend)
+    out = attend_within(q, k, v, sink_logit=sink, backend=backend)
     out.sum().backward()
     assert sink.grad is not None and sink.grad.abs().min() > 0
-    _, weights = attend(q, k, v, sink_logit=sink.detach(), backend="naive", return_weights=True)
+    _, weights = attend_within(q, k, v, sink_logit=sink.detach(), backend="naive", return_weights=True)
     scores = (q.view(2, 2, 2, 6, 8) @ k.unsqueeze(2).transpose(-2, -1) / 8 ** 0.5).view(2, 4, 6, 6)
     scores = scores.masked_fill(~causal_mask(6, 6), float("-inf"))
     kept = torch.sigmoid(scores.logsumexp(-1) - sink.detach()[:, None])  # (2, 4, 6)
@@ -174,7 +178,8 @@ def test_a_learned_sink_logit_is_a_key_of_zero_value_in_every_softmax(backend):
     torch.testing.assert_close(out.detach(), attend(q, k, v, backend="naive") * kept[..., None] / 1,
                                atol=1e-5, rtol=0)
     none = torch.full((4,), -1e4)
-    torch.testing.assert_close(attend(q, k, v, sink_logit=none, backend=backend), attend(q, k, v), atol=1e-6,
+    torch.testing.assert_close(attend_within(q, k, v, sink_logit=none, backend=backend), attend(q, k, v),
+                               atol=1e-6,
                                rtol=0)
 
 
@@ -202,7 +207,7 @@ def stream_start(model, idx, new: int):
     hook = model.register_forward_pre_hook(lambda module, args, kwargs: caches.append(kwargs["kv_cache"]),
                                            with_kwargs=True)
     try:
-        token = next(stream(model, idx, Sampling(new, temperature=0), kv_dtype="int8"))
+        token = next(stream(model, idx, Sampling(new, temperature=0), Decoding(kv_dtype="int8")))
     finally:
         hook.remove()
     return token, caches[-1]
@@ -255,7 +260,8 @@ def test_a_short_int8_decode_over_a_large_cache_compiles_nothing():
     graphs, logits = counters["stats"]["unique_graphs"], []
     hook = model.register_forward_hook(lambda module, args, out: logits.append(out[:, -1]))
     try:
-        new = torch.stack(list(stream(model, idx, Sampling(8, temperature=0), kv_dtype="int8")), dim=1)
+        tokens = stream(model, idx, Sampling(8, temperature=0), Decoding(kv_dtype="int8"))
+        new = torch.stack(list(tokens), dim=1)
     finally:
         hook.remove()
     assert counters["stats"]["unique_graphs"] == graphs

@@ -135,7 +135,8 @@ def test_rope_frequencies_made_by_a_generation_train_and_equal_the_formula():
     """RoPE's frequencies are made once and kept (a decode step's five operations fewer). Kept by a
     generation, under inference mode, they must still serve a training step's backward pass, with
     the gradients of frequencies made outside it; and they are the formula's, bit for bit."""
-    from model.attention import kept_rope_frequencies, rope_frequencies
+    from model.core.attention import rope_frequencies
+    from model.rope import kept_rope_frequencies
 
     def gradients():
         model = tiny_model(seed=3, pos_emb="rope").train()

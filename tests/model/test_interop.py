@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 from model import GPT, checkpoint, generate
-from model.attention import CausalSelfAttention, rope_angles
+from model.attention import CausalSelfAttention
+from model.rope import rope_at
 from tests.helpers import compose, hf_gpt2, run_in_process, tiny_config, tiny_model, train_checked
 
 transformers = pytest.importorskip("transformers")
@@ -226,7 +227,7 @@ def test_learned_sinks_match_transformers_gpt_oss_attention(layer_idx, window, b
         config=hf_config, inputs_embeds=x, attention_mask=None, cache=None, position_ids=positions[None])
     with torch.no_grad():
         expected, _ = hf(x, GptOssRotaryEmbedding(hf_config)(x, positions[None]), mask)
-        out, _ = attn(x, rope=rope_angles(positions, config.head_dim))
+        out, _ = attn(x, rope=rope_at(positions, config.head_dim))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
 
 

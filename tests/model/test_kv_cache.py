@@ -142,10 +142,10 @@ def test_the_plain_cache_stores_at_the_positions_given_and_reads_its_own_memory(
     than the cache uses its first rows."""
     group = GroupCache(Stored(3, 2, 8, 4, torch.float32, None), Stored(3, 2, 8, 4, torch.float32, None))
     k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
-    read_k, read_v = group.update(torch.arange(5), k, v, read=5)
+    read_k, read_v = group.update(torch.arange(5), k, v, cells_read=5)
     assert read_k is k and read_v is v and torch.equal(group.k.tensors[0][:, :, :5], k)
     k1, v1 = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)                 # 2 of the 3 rows
-    read_k, read_v = group.update(torch.tensor([5]), k1, v1, read=6)
+    read_k, read_v = group.update(torch.tensor([5]), k1, v1, cells_read=6)
     assert read_k.shape == (2, 2, 6, 4) and read_k.data_ptr() == group.k.tensors[0].data_ptr()
     assert torch.equal(read_k, torch.cat([k[:2], k1], dim=2))
     assert torch.equal(read_v, torch.cat([v[:2], v1], dim=2))
@@ -154,7 +154,7 @@ def test_the_plain_cache_stores_at_the_positions_given_and_reads_its_own_memory(
 
 def test_the_models_cache_holds_one_group_cache_per_group_each_its_own():
     cache = KVCache([None, None], batch_size=3, n_kv_head=2, max_len=8, key_dim=4)
-    cache.groups[1].update(torch.arange(5), torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4), read=5)
+    cache.groups[1].update(torch.arange(5), torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4), cells_read=5)
     assert cache.groups[1].k.tensors[0].any() and not cache.groups[0].k.tensors[0].any()
 
 
