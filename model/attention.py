@@ -1,4 +1,4 @@
-"""The attention layer of every variant, built on the core layer (model/core/attention.py): a
+"""The attention layer of every variant, built on the core layer (model/core/attention.py). A
 `kv_share` group's later layers attend over its first layer's keys and values, a layer may see a
 sliding window (and sinks, both kinds), queries and keys may be normalised per head (qk-norm), a
 cache hands keys in groups, rings or int8, and the inspect page may keep the weights. Every layer

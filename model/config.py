@@ -1,6 +1,6 @@
-"""GPTConfig: the core's config (model/core/config.py) with the extensions' fields: multi-head latent
-attention, cross-layer K/V sharing, sliding windows and sinks, qk-norm, Qwen2's q/k/v biases and
-Llama 3's RoPE scaling; every architectural choice checked once at construction."""
+"""GPTConfig: the core's config (model/core/config.py) with the extensions' fields, checked once at
+construction. They are multi-head latent attention, cross-layer K/V sharing, sliding windows and
+sinks, qk-norm, Qwen2's q/k/v biases and Llama 3's RoPE scaling."""
 
 import dataclasses
 import math

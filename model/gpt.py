@@ -1,6 +1,7 @@
-"""The GPT of every variant, built on the core GPT (model/core/gpt.py): layers of any attention variant,
-a cache of groups, rings and storage kinds it checks it fits, batched prompts left-padded, chunks of
-any length, Hugging Face folders, and its output layer padded for CUDA's fast kernels."""
+"""The GPT of every variant, built on the core GPT (model/core/gpt.py). It has layers of any
+attention variant, reads caches of groups, rings and storage kinds (checking they fit), takes
+batched prompts left-padded and chunks of any length, reads Hugging Face folders, and pads its
+output layer for CUDA's fast kernels."""
 
 import weakref
 

@@ -1,6 +1,6 @@
-"""Faster attention kernels, which the core `attend` hands the calls they take (KERNELS): split-KV
-flash-decoding for a compiled step's one query (FlexAttention), and an int8 cache's one-token step read
-as stored, with the policy of when each compiles. Registered by model/attention.py."""
+"""Faster attention kernels, which the core `attend` hands the calls they take (its KERNELS). They
+are split-KV flash-decoding for a compiled step's one query (FlexAttention), and an int8 cache's
+one-token step read as stored, with when each compiles. model/attention.py registers them."""
 
 import functools
 import math
@@ -49,17 +49,11 @@ class SplitKV:
 
 def attend_split_kv(q, k, v, mask=None, sink_logit=None, scale=None):
     """`attend` for one query per row by flash-decoding: FlexAttention's decoding kernel splits the
-    S positions across thread blocks, each computes its part's softmax-weighted sum and its
-    log-sum-exp, and a second pass combines them. (SDPA's kernels run one thread block per row and
-    head: at batch 1, 12 blocks on a GPU of 132 multiprocessors, each reading the whole cache.)
-    q (B, n_head, 1, d_k), k (B, n_kv_head, S, d_k), v (B, n_kv_head, S, d_v) -> (B, n_head, 1, d_v).
-    The n_rep query heads of a K/V head are its n_rep queries (the kernel's fast path takes n_rep
-    queries, not n_rep heads of a number other than a power of two); `mask` (bool, True = may
-    attend) is one row per batch row, (S,) broadcasting to it; gpt-oss's `sink_logit` (n_head,)
-    scales each head's output by the share the sink leaves: softmax over S keys and the sink is
-    softmax over the keys times e^lse / (e^lse + e^sink) = sigmoid(lse - sink). Compiled: inside a
-    compiled step, traced into its graph; called eagerly on CUDA, its own compiled kernel per shape
-    (a CPU runs FlexAttention's unfused reference: the tests')."""
+    S positions across thread blocks (SDPA's run one per row and head: 12 at batch 1 on a GPU of 132
+    multiprocessors), and a second pass combines their parts by their log-sum-exps. q (B, n_head, 1,
+    d_k), k and v (B, n_kv_head, S, .) -> (B, n_head, 1, d_v); the n_rep query heads of a K/V head
+    are its n_rep queries. `mask` (bool) is one row per batch row; gpt-oss's `sink_logit` (n_head,)
+    scales each head's output by the share the sink leaves, sigmoid(lse - sink)."""
     B, n_head, _, d_k = q.shape
     n_kv_head, S = k.shape[1], k.shape[2]
     n_rep = n_head // n_kv_head
@@ -85,29 +79,24 @@ def attend_split_kv(q, k, v, mask=None, sink_logit=None, scale=None):
 
 
 def splits_kv(d_k: int, d_v: int, mask=None) -> bool:
-    """Whether attend_split_kv takes this call: heads of a power of two from 16 wide (FlexAttention's
-    kernels take 16 or more, and pad a width to the next power of two: MLA's 288 to 512, with which
-    the absorbed step ran 1.4-1.7x slower than SDPA's memory-efficient kernel on an H200), and a mask
-    that is the same for every head, if any."""
+    """Whether attend_split_kv takes this call: heads a power of two from 16 wide (FlexAttention pads
+    others: MLA's 288 to 512 ran 1.4-1.7x slower than SDPA on an H200), a mask the same for every head."""
     heads_fit = all(d >= 16 and d & (d - 1) == 0 for d in (d_k, d_v))
     return heads_fit and (mask is None or mask.dim() < 4 or mask.size(1) == 1)
 
 
 def decode_kernel_options(rows: int, head_dim: int, itemsize: int) -> dict:
-    """FlexAttention's decoding kernel configuration inside a compiled step on Hopper or newer
-    (where timing its candidates fails to compile, PyTorch 2.11): from 16 `rows` (batch x K/V heads)
-    tiles of up to 128 keys (16 KB of K and of V) in 3 stages, within 13% of the fastest where
-    inductor's default ran up to 2.1x slower (H200: benchmarks/RESULTS.md); below, the default."""
+    """FlexAttention's decoding kernel configuration inside a compiled step on Hopper or newer: from
+    16 `rows` (batch x K/V heads), tiles of up to 128 keys (16 KB) in 3 stages (inductor's default ran
+    up to 2.1x slower on an H200); below, the default."""
     if rows < 16:
         return {}
     return {"num_stages": 3, "BLOCK_N": max(16, min(128, 16384 // (head_dim * itemsize)))}
 
 
 def flex_decode(q, k, v, score_mod=None, scale=None, lse=False, kernel_options=None):
-    """flex_attention over every key, in blocks of 128: its decoding kernel splits the keys by
-    these blocks (with no block mask, all of them are one block, and one thread block reads it
-    all). With lse, (out, the log-sum-exp of each query's scores). kernel_options: its
-    configuration (decode_kernel_options), or None for inductor's."""
+    """flex_attention over every key in blocks of 128, by which its decoding kernel splits them; with
+    lse, (out, each query's log-sum-exp). kernel_options: decode_kernel_options', or None."""
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention  # (the compiler's)
 
     S, block = k.size(2), 128
@@ -134,23 +123,17 @@ def compiled_flex_attention(shapes: tuple):
         return flex_decode(*args, **kwargs)
 
     flex.__code__ = flex.__code__.replace()
-    # Inductor times the decoding kernel's configurations (keys a block, pipeline stages, warps) for
-    # this shape and keeps the fastest (max-autotune; matrix products, none here, would stay cuBLAS's):
-    # its default (64 keys a block, 1 stage, 2 warps) keeps little in flight. On an H200 at GPT-2
-    # width and batch 256, MHA's step went from 42,228 to 68,804 tokens/s, MQA's from 141,686 to
-    # 186,000. (Inside the compiled step's graph the same option failed to compile with PyTorch 2.11:
-    # that graph keeps the default configuration.)
+    # Inductor times the decoding kernel's configurations for this shape and keeps the fastest: its
+    # default keeps little in flight (an H200's MHA step at batch 256: 42,228 -> 68,804 tokens/s).
     return torch.compile(flex, dynamic=False, fullgraph=True,
                          options={"max_autotune": True, "max_autotune_gemm_backends": "ATEN"})
 
 
 def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=None, scale=None):
     """`attend` for one query per row over an int8 cache as stored: q (B, n_head, 1, d_k), k and v
-    `Quantized` (int8 (B, n_kv_head, S, d), scales (B, n_kv_head, S, 1)), attn_mask (bool) broadcasting
-    to (B, n_head, 1, S) -> (B, n_head, 1, d_v). The scales factor out of both sums, q . (s_j k_j) =
-    s_j (q . k_j) and sum_j w_j (s_j v_j) = sum_j (w_j s_j) v_j, so no float K or V is made:
-    compiled, the int8 numbers turn into floats inside the two reductions and the cache is read
-    once, as int8 (a quarter of float32's bytes). Query head h reads K/V head h // n_rep."""
+    `Quantized` (int8 (B, n_kv_head, S, d), scales (.., 1)) -> (B, n_head, 1, d_v). The scales factor
+    out of both sums, q . (s_j k_j) = s_j (q . k_j) and sum_j w_j (s_j v_j) = sum_j (w_j s_j) v_j, so
+    no float K or V is made: compiled, the cache is read once, as int8."""
     B, n_head, _, d_k = q.shape
     n_kv_head, S, d_v = k.values.size(1), k.values.size(2), v.values.size(-1)
     n_rep = n_head // n_kv_head
@@ -174,10 +157,8 @@ def attend_one_query(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 
 @functools.cache
 def compiled_attend_one_query():
-    """Its own compiled kernel for an eager model's int8 steps (dynamic: the cells read grow each
-    step; one graph for every layer and step of a sample); inside the compiled decode step it is
-    traced into the step's graph instead. Past dynamo's limit of graphs per function it runs
-    eagerly: the same numbers. Made on first use (torch.compile imports dynamo and inductor, ~2 s)."""
+    """Its own compiled kernel for an eager model's int8 steps (dynamic: one graph for every layer and
+    step of a sample), made on first use; inside the compiled decode step it is traced instead."""
     return torch.compile(attend_one_query, dynamic=True)
 
 
@@ -189,9 +170,7 @@ PAYS_FROM = 2**32  # int8 numbers of K a decode's steps read, all layers, that s
 
 def compiling_pays(cache, positions: int, steps: int, layers: int) -> bool:
     """Whether `steps` one-token steps after `positions` cached ones, by `layers` layers over
-    `cache`'s groups (kv_share: several a group), read PAYS_FROM int8 numbers of K: each step reads
-    its group's cells written so far (at most all of them: a refill or a ring keeps it there).
-    SmolLM2-135M (30 layers, 3 K/V heads of 64) after a prompt of 1,000 reads 2^32 in ~580 steps."""
+    `cache`'s groups, read PAYS_FROM int8 numbers of K (each its group's cells written so far)."""
     a_step = sum(group.k.tensors[0][:, :, 0].numel() * min(group.cells, positions + steps / 2)
                  for group in cache.groups)  # (rows x heads x dim numbers a cell) x cells, on average
     return steps * a_step * layers / len(cache.groups) >= PAYS_FROM
@@ -204,10 +183,9 @@ def attend_quantized(q, k: Quantized, v: Quantized, attn_mask=None, sink_logit=N
 
 def one_query_kernel(q, k: Quantized):
     """attend_one_query as an int8 step runs it: traced into the caller's graph, or through its own
-    compiled kernel. As written while a CUDA graph captures it, over a cache too small for the
-    compiled kernel to be faster (COMPILE_FROM: the whole group cache, not the part read, so a cache
-    keeps one kernel from its first step to its last), and for a decode too short to pay for
-    compiling it (k.may_compile, which `stream` sets once per sample from compiling_pays)."""
+    compiled kernel; as written while a CUDA graph captures it, over a group cache too small for the
+    compiled kernel to be faster (COMPILE_FROM: a cache keeps one kernel from its first step to its
+    last), and for a decode too short to pay for compiling it (k.may_compile, set by `stream`)."""
     if torch.compiler.is_compiling():
         return attend_one_query
     group_numbers = k.values.untyped_storage().nbytes() // k.values.element_size()

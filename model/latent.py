@@ -1,6 +1,6 @@
-"""Multi-head latent attention (MLA, DeepSeek-V2), what it adds to the variants' layer
-(model/attention.py): keys and values from one narrow latent per position, which is all the cache
-keeps, attended over in its absorbed form."""
+"""Multi-head latent attention (MLA, DeepSeek-V2), built on the variants' layer (model/attention.py).
+Keys and values come from one narrow latent per position, which is all the cache keeps, attended
+over in its absorbed form."""
 
 import math
 

@@ -27,14 +27,12 @@ def scaled_rope_frequencies(head_dim: int, base: float, scaling: tuple | None = 
 @functools.cache
 def kept_rope_frequencies(head_dim: int, base: float, scaling: tuple | None = None,
                           device=None) -> torch.Tensor:
-    """scaled_rope_frequencies, made once and kept: outside inference mode, an ordinary tensor whichever
-    call made it first (an inference tensor cannot be saved for a backward pass)."""
+    """scaled_rope_frequencies, made once and kept, outside inference mode (for a backward pass)."""
     with torch.inference_mode(False):
         return scaled_rope_frequencies(head_dim, base, scaling, device)
 
 
 def rope_at(positions: torch.Tensor, head_dim: int, base: float = 10000.0, scaling: tuple | None = None):
-    """The core's rope_angles at `positions` (any shape P), (cos, sin) each (*P, head_dim), from the kept
-    frequencies (a compiled step's graph computes them instead)."""
+    """The core's rope_angles at `positions` from the kept frequencies (a compiled graph computes them)."""
     frequencies = scaled_rope_frequencies if torch.compiler.is_compiling() else kept_rope_frequencies
     return rope_angles(positions, frequencies(head_dim, base, scaling, positions.device))

@@ -1,6 +1,6 @@
-"""Windows and sinks, what they add to the core `attend`: the one visibility rule every mask comes from
-(causal, within a sliding window, StreamingLLM's first positions kept, rows' left padding), and gpt-oss's
-learned sink logit, which joins every softmax as one more key."""
+"""Windows and sinks, what they add to the core `attend`. Here is the one visibility rule every mask
+comes from (causal, within a sliding window, StreamingLLM's first positions kept, rows' left padding),
+and gpt-oss's learned sink logit, which joins every softmax as one more key."""
 
 from typing import NamedTuple
 
