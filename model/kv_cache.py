@@ -36,7 +36,8 @@ class GroupCache:
 
     def write(self, stored, input_pos, x, cells_read, pad):
         """Store x (B, heads, T, dim) at input_pos; return what attention reads of `stored`."""
-        new = stored.put(input_pos, x)                                   # position p in cell p
+        parts, new = stored.encode(x)                                    # as kept; as read back
+        stored.place(input_pos, parts)                                   # position p in cell p
         T = x.size(2)
         if cells_read == T:
             return new
@@ -55,24 +56,17 @@ class GroupCache:
 
 class Stored:
     """K or V of one group as the plain cache keeps it: one tensor (rows, heads, cells, dim) in the
-    dtype attention computes in. `put` writes cells and returns x as attention will read it back;
-    `read` the first n cells of the first rows, a view of the cache's own memory. (A batch smaller
-    than the cache uses its first rows.)"""
+    dtype attention computes in. `encode` gives x as kept and as attention reads it back, `place`
+    writes cells, `read` the first n cells of the first rows, a view of the cache's own memory. (A
+    batch smaller than the cache uses its first rows.)"""
 
     def __init__(self, rows, heads, cells, dim, dtype, device):
         self.tensors = [torch.zeros(rows, heads, cells, dim, dtype=dtype, device=device)]
         self.batch_size, self.cells, self.dtype = rows, cells, dtype
 
-    def put(self, at, x) -> torch.Tensor:
-        """Store x (B, heads, T, dim) in cells `at` (T,) of the first B rows: `encode` and `place` in
-        one call, the eager step's hot path (the two calls cost it ~1%)."""
-        x = x if x.dtype == self.dtype else x.to(self.dtype)  # (a no-op .to still costs ~1 µs)
-        self.rows(x.size(0))[0].index_copy_(2, at, x)
-        return x
-
     def encode(self, x) -> tuple[list[torch.Tensor], torch.Tensor]:
         """([each tensor's part of x, as kept], x as read back): what a `Ring` places itself."""
-        x = x if x.dtype == self.dtype else x.to(self.dtype)
+        x = x if x.dtype == self.dtype else x.to(self.dtype)  # (a no-op .to still costs ~1 µs)
         return [x], x
 
     def place(self, at, parts) -> None:
@@ -98,9 +92,6 @@ class Converted(Stored):
     def __init__(self, rows, heads, cells, dim, dtype, device, compute_dtype, buffer):
         super().__init__(rows, heads, cells, dim, dtype, device)
         self.compute_dtype, self.buffer = compute_dtype, buffer
-
-    def put(self, at, x):
-        return self.read_back(super().put(at, x))
 
     def encode(self, x):
         (x,), _ = super().encode(x)
@@ -153,11 +144,6 @@ class Int8(Converted):
             given = x.float()
             self.error = (new.float() - given).norm() / given.norm().clamp(min=1e-30)
         return [q, scale], new
-
-    def put(self, at, x):
-        parts, new = self.encode(x)
-        self.place(at, parts)
-        return new
 
     def read(self, rows, n, one_query=False):
         values, scales = (t[:, :, :n] for t in self.rows(rows))          # (rows, heads, n, dim), (.., 1)
