@@ -33,18 +33,17 @@ from hydra.core.config_store import ConfigStore
 from cli.configs import CONFIGS, composed_jobs, config_object, quote_literal_options
 from cli.errors import exit_on_user_error, naming
 from cli.page import write_inspect_page
+from cli.report import meta_cache, print_benchmark, save_attention_plot
 from data.prepare import read_text_files
 from data.tokenizer import TextStream, check_utf8, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.decode_step import CompiledDecodeStep
 from model.device import Precision, check_device, memory_bytes, pick_device
-from model.generation import left_pad, load_model, stream, timed_stream
-from model.gpt import GPT
-from model.kv_cache import storage_dtype
+from model.generation import Decoding, left_pad, stream
+from model.loading import load_model
 from model.recorder import MAX_WEIGHTS, DecodeRecorder, weights_to_record
 from model.sampling import Sampling
-from training.plots import pyplot, write_figure
 
 # New tokens a sample may ask for: more than any book-length text, and past it a sample would not end in
 # any time one waits for (with num_samples > 1, nothing is printed until every sample is done).
@@ -97,16 +96,14 @@ class GenerateConfig:
         check_integer(self.num_samples, "num_samples", 1)
         check_integer(self.seed, "seed", 0)
         check_integer(self.attn_layer, "attn_layer", 0)
-        if self.prefill_chunk is not None:
-            check_integer(self.prefill_chunk, "prefill_chunk", 1)
-        # The library's own objects, made (and so checked) once, here: the run hands them on.
+        # The library's own objects, made (and so checked) once, here: the run hands them on (the
+        # decode step and the tokenizer's vocab_size join the Decoding once made).
         self.sampling = Sampling(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
         if self.max_new_tokens > MAX_NEW_TOKENS:
             raise ValueError(f"max_new_tokens must be at most {MAX_NEW_TOKENS:,} (a sample that long takes "
                              f"hours, and several print only when all are done), got {self.max_new_tokens:,}")
         self.precision = Precision(self.dtype, self.quantize)
-        # The torch dtype the cache stores in (None: the decode dtype), by the cache's own rule.
-        self.cache_dtype = None if self.kv_dtype is None else storage_dtype(self.kv_dtype, "kv_dtype")
+        self.decoding = Decoding(self.kv_cache, self.kv_dtype, self.prefill_chunk)  # kv_dtype: a torch dtype
         check_device(self.device)
         if not (self.compile == "auto" or isinstance(self.compile, bool)):
             raise ValueError(f"compile must be one of auto, true, false, got {self.compile!r}")
@@ -207,7 +204,7 @@ def check_batch_fits(model, rows: int, positions: int, cfg: GenerateConfig) -> N
     each row's KV cache of `positions` (with kv_cache) and one residual stream of as many, so that
     num_samples is refused before anything is allocated, not by the allocator or the OOM killer."""
     c, device = model.config, model.wte.weight.device
-    cache = meta_cache(c, model.wte.weight.dtype, cfg.cache_dtype, positions)
+    cache = meta_cache(c, model.wte.weight.dtype, cfg.decoding.kv_dtype, positions)
     need = rows * (cache.nbytes * cfg.kv_cache + 4 * positions * c.n_embd)
     if need > (have := memory_bytes(device)):
         raise ValueError(f"num_samples={cfg.num_samples}: {rows:,} rows take at least "
@@ -238,15 +235,17 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     positions = cache_positions(model.config, max(map(len, encoded)), cfg.max_new_tokens)
     check_batch_fits(model, len(lines) * cfg.num_samples, positions, cfg)
     prompts, encoded = ([x for x in xs for _ in range(cfg.num_samples)] for xs in (lines, encoded))
-    kv_dtype = cfg.cache_dtype
+    kv_dtype = cfg.decoding.kv_dtype  # (the torch dtype the cache stores in; None: the decode dtype)
     backend, t0 = cfg.step_backend(device), time.perf_counter()
     with naming("compile"):  # (inductor's cache folder: full, read-only, ...)
         decode_step = None if backend is None else CompiledDecodeStep(model, len(prompts), kv_dtype, backend,
                                                                       max_len=positions)
     if cfg.benchmark:
         built_s = time.perf_counter() - t0
-        print_benchmark(model, encoded, cfg.max_new_tokens, out, decode_step, kv_dtype, built_s)
-        save_attention_plot(model, encoded[0], tokenizer, cfg, out)
+        decoding = Decoding(kv_dtype=kv_dtype, decode_step=decode_step)  # with and without the cache
+        print_benchmark(model, encoded, cfg.max_new_tokens, decoding, out, built_s)
+        if cfg.attn_plot:
+            save_attention_plot(model, encoded[0], tokenizer, cfg.attn_plot, cfg.attn_layer, out)
         return []
 
     if cfg.inspect:
@@ -256,10 +255,10 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     # gives for that prompt alone, however the prompts are batched (to bf16's and int8's rounding).
     generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
                   for i in range(len(prompts))]
-    tokens = stream(model, idx, cfg.sampling, kv_cache=cfg.kv_cache, generator=generators, pad=pad,
-                    decode_step=decode_step, vocab_size=tokenizer.vocab_size, kv_dtype=kv_dtype,
-                    prefill_chunk=cfg.prefill_chunk)
-    save_attention_plot(model, encoded[0], tokenizer, cfg, out)  # once the sample is checked (stream)
+    decoding = dataclasses.replace(cfg.decoding, decode_step=decode_step, vocab_size=tokenizer.vocab_size)
+    tokens = stream(model, idx, cfg.sampling, decoding, generator=generators, pad=pad)
+    if cfg.attn_plot:  # once the sample is checked (stream)
+        save_attention_plot(model, encoded[0], tokenizer, cfg.attn_plot, cfg.attn_layer, out)
     with DecodeRecorder(model, encoded[0]) if cfg.inspect else nullcontext() as recorder:
         tokens = recorder.watch(tokens) if recorder else tokens
         texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
@@ -272,18 +271,6 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     return [p + t for p, t in zip(prompts, texts)]
 
 
-def save_attention_plot(model, prompt: list[int], tokenizer, cfg: GenerateConfig, out) -> None:
-    """attn_plot=...: the heatmaps of the prompt's (last block_size tokens') attention in one layer,
-    written after what would refuse the sample: nothing is written or printed for a run that fails."""
-    if cfg.attn_plot:
-        ids = prompt[-model.config.block_size:]
-        labels = [repr(tokenizer.decode([i]))[1:-1] for i in ids]
-        fig = attention_figure(model, ids, labels, cfg.attn_layer)
-        with naming("attn_plot"):
-            write_figure(fig, cfg.attn_plot)
-        print(f"attention of layer {cfg.attn_layer} saved to {cfg.attn_plot}", file=out)
-
-
 def check_inspect_fits(model, prompt: list[int], cfg: GenerateConfig) -> None:
     """inspect=... records a decode of at most MAX_WEIGHTS attention weights."""
     n = weights_to_record(model.config, len(prompt), cfg.max_new_tokens, cfg.kv_cache)
@@ -291,47 +278,6 @@ def check_inspect_fits(model, prompt: list[int], cfg: GenerateConfig) -> None:
         raise ValueError(f"inspect={cfg.inspect}: max_new_tokens={cfg.max_new_tokens} would record {n:,} "
                          f"attention weights (~{8 * n / 2**20:,.0f} MB of page), more than {MAX_WEIGHTS:,}: "
                          f"lower max_new_tokens")
-
-
-@torch.no_grad()
-def attention_weights(model, ids: list[int], layer: int) -> torch.Tensor:
-    """(n_head, T, T): the attention weights of `layer` over the tokens `ids` (naive backend)."""
-    if not 0 <= layer < model.config.n_layer:
-        raise ValueError(f"attn_layer must be in 0..{model.config.n_layer - 1}, got {layer}")
-    attn = model.blocks[layer].attn
-    attn.keep_weights = True
-    try:
-        model(torch.tensor([ids], device=model.wte.weight.device))
-        return attn.weights[0].float().cpu()                           # (n_head, T, T)
-    finally:
-        attn.keep_weights, attn.weights = False, None
-
-
-def attention_figure(model, ids: list[int], labels: list[str], layer: int):
-    """One heatmap per head of `layer`'s attention over the tokens `ids`, labelled `labels`."""
-    weights = attention_weights(model, ids, layer)
-    plt = pyplot()
-    config = model.config
-    n_head, group = weights.size(0), config.n_head // config.n_kv_head
-    # Which keys a head reads: its K/V head (MLA: its own up-projection of the latent), made by
-    # the first layer of this layer's group of kv_share layers.
-    source = "" if layer % config.kv_share == 0 else f" of layer {layer - layer % config.kv_share}"
-    cols = min(4, n_head)
-    rows = -(-n_head // cols)
-    size = max(3.0, 0.25 * len(ids))
-    fig, axes = plt.subplots(rows, cols, figsize=(size * cols, size * rows), squeeze=False)
-    for h, ax in enumerate(axes.flat):
-        if h >= n_head:
-            ax.axis("off")
-            continue
-        ax.imshow(weights[h], cmap="viridis", vmin=0, vmax=1)
-        kv = f"latent{source}" if config.mla_latent_dim is not None else f"kv head {h // group}{source}"
-        ax.set_title(f"layer {layer}, head {h} ({kv})")
-        ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=7)
-        ax.set_yticks(range(len(ids)), labels, fontsize=7)
-        ax.set(xlabel="key", ylabel="query")
-    fig.tight_layout()  # several axes: save_figure's grid is for one
-    return fig
 
 
 def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) -> list[str]:
@@ -366,89 +312,6 @@ def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) 
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             print(f"{'=' * 20} sample {i + 1}/{len(prompts)} {'=' * 20}\n{prompt}{text}", file=out)
     return texts
-
-
-def print_benchmark(model, prompts, max_new_tokens, out, decode_step=None, kv_dtype=None,
-                    built_s: float = 0.0) -> None:
-    """Prefill and decode tokens/s of the batch `prompts` (lists of ids, left-padded into one), with
-    and without the cache, and the cache's size. Each prompt keeps what a prefill runs of it;
-    built_s is what building the decode step took (compiling or capturing it)."""
-    device, c = model.wte.weight.device, model.config
-    idx, pad = left_pad([p[-(c.context_size or len(p)):] for p in prompts], device)
-    (B, T), n = idx.shape, max(2, max_new_tokens)
-    warm_up_s = sum(timed_stream(model, idx, n, True, decode_step, kv_dtype, pad))
-    rows = []
-    for kv_cache in (True, False):
-        prefill_s, decode_s = timed_stream(model, idx, n, kv_cache, decode_step, kv_dtype, pad)
-        rows.append((kv_cache, B * T / prefill_s, B * (n - 1) / decode_s, prefill_s + decode_s))
-    cache = meta_cache(c, model.wte.weight.dtype, kv_dtype)
-    print(f"model: {c.n_layer} layers, n_head={c.n_head} n_kv_head={c.n_kv_head} n_embd={c.n_embd}, "
-          f"{model.wte.weight.dtype}, {device} | batch {B} x prompt {T} tokens"
-          f"{' (left-padded)' if pad is not None else ''}, {n} new tokens per row"
-          f" | decode step: {decode_step.backend if decode_step else 'eager'}", file=out)
-    print("| kv cache | prefill tokens/s | decode tokens/s |\n| --- | --- | --- |", file=out)
-    for kv_cache, prefill, decode, _ in rows:
-        print(f"| {'on' if kv_cache else 'off'} | {prefill:,.0f} | {decode:,.1f} |", file=out)
-    print(f"tokens/s count every row: {B} x {T} prompt tokens, {B} x {n - 1} decoded (the first new "
-          f"token comes from the prefill)", file=out)
-    built = f"; the decode step was built in {built_s:.2f} s before it (compiled, or captured)"
-    print(f"warm-up: {warm_up_s:.2f} s, {warm_up_s - rows[0][3]:.2f} s more than a repeat"
-          f"{built if decode_step else ''}", file=out)
-    print(f"decode speed-up from the cache: {rows[0][2] / rows[1][2]:.1f}x", file=out)
-    scales = " + one scale per position and K/V head" if cache.quantized else ""
-    held = ": the window" * cache.ring + " and sinks" * bool(cache.sinks)
-    print(f"KV cache in {cache.dtype}: {cache.bytes_per_token:,} bytes per token "
-          f"({c.kv_cache_formula()} x {cache.dtype.itemsize} bytes{scales}), {cache.nbytes / 2**20:.2f} MB "
-          f"a sequence ({cache.max_len} positions{held}), "
-          f"{B * cache.nbytes / 2**20:.2f} MB for the batch", file=out)
-    print_kv_what_ifs(c, model.wte.weight.dtype, cache.dtype, out)
-
-
-def meta_cache(config, dtype, kv_dtype=None, positions=None):
-    """The KV cache a model of `config` in `dtype` makes for one sequence of `positions` (default
-    block_size), stored in kv_dtype (None: dtype), on the meta device: its shapes, no memory (a
-    real model's cache at full context can take gigabytes)."""
-    with torch.device("meta"):
-        return GPT(config).to(dtype).new_kv_cache(1, positions, dtype=kv_dtype)
-
-
-def print_kv_what_ifs(config, dtype, kv_dtype, out) -> None:
-    """The cache's bytes per token of a sequence of block_size positions, by the formula
-    (GPTConfig.kv_cache_bytes) and as measured (KVCache.nbytes), for this model and for what-ifs
-    of it: its K/V heads as MHA's and as MQA's, an int8 cache, and a window (or, if it has one,
-    none): why the model chose its design, as a line of numbers each."""
-    c, positions = config, config.block_size
-    rows = [("this model", c, kv_dtype)]
-    if c.mla_latent_dim is None and c.n_kv_head != c.n_head:
-        rows.append((f"as MHA ({c.n_head} K/V heads)", dataclasses.replace(c, n_kv_head=c.n_head), kv_dtype))
-    if c.mla_latent_dim is None and c.n_kv_head != 1:
-        rows.append(("as MQA (1 K/V head)", dataclasses.replace(c, n_kv_head=1), kv_dtype))
-    if kv_dtype != torch.int8:
-        rows.append(("an int8 cache", c, torch.int8))
-    if c.attn_window is None:
-        window = max(1, min(4096, positions // 4))
-        rows.append((f"a window of {window:,}", dataclasses.replace(c, attn_window=window), kv_dtype))
-    else:
-        rows.append(("no window", dataclasses.replace(c, attn_window=None, window_pattern=None, attn_sinks=0),
-                     kv_dtype))
-    print(f"KV cache per token of a {positions:,}-position sequence (block_size), by the formula and as "
-          f"measured (KVCache.nbytes: K, V, scales):\n"
-          f"| cache | formula | bytes/token | measured | MiB a sequence | vs this model |\n"
-          f"| --- | --- | --- | --- | --- | --- |", file=out)
-    base = None
-    for name, variant, stored in rows:
-        scale_bytes = dtype.itemsize if stored == torch.int8 else 0
-        formula = variant.kv_cache_bytes(positions, stored.itemsize, scale_bytes)
-        measured = meta_cache(variant, dtype, stored, positions).nbytes
-        base = base or measured
-        scales = f" + scales x {scale_bytes}" if scale_bytes else ""
-        formula_text = variant.kv_cache_formula()
-        if variant.attn_window is not None and "windowed" not in formula_text:  # every layer windowed
-            sinks = f" + {variant.attn_sinks} sink" if variant.attn_sinks else ""
-            formula_text += f", the last {variant.attn_window}{sinks} positions"
-        print(f"| {name} | {formula_text} x {stored.itemsize}{scales} | "
-              f"{formula / positions:,.0f} | {measured / positions:,.0f} | {measured / 2**20:,.2f} | "
-              f"{measured / base:.2f}x |", file=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

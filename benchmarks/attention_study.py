@@ -63,7 +63,8 @@ from model.checkpoint import write_atomically
 from model.config import check_integer_fields
 from model.convert import convert_checkpoint
 from model.device import Precision, pick_device
-from model.generation import decode_tokens_per_s, load_model
+from model.loading import load_model
+from model.timing import decode_tokens_per_s
 from training.evaluation import split_loss
 from training.plots import pyplot, save_figure
 from training.run_dir import read_metrics

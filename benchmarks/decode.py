@@ -83,9 +83,11 @@ from model.config import check_integer
 from model.convert import llama_weights
 from model.decode_step import CompiledDecodeStep
 from model.device import Precision
-from model.generation import decode_tokens_per_s, for_decoding, load_model, stream, timed_stream
+from model.generation import Decoding, stream
 from model.kv_cache import KV_DTYPES
+from model.loading import for_decoding, load_model
 from model.sampling import Sampling
+from model.timing import decode_tokens_per_s, timed_stream
 from training.evaluation import split_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,9 +106,9 @@ PRECISIONS = {  # name: (dtype, quantize, compile)
 
 def sample_seconds(model, prompt, new: int, decode_step=None) -> float:
     generator = torch.Generator().manual_seed(1337)
+    sampling, decoding = Sampling(new, temperature=0.8, top_k=200), Decoding(decode_step=decode_step)
     t0 = time.perf_counter()
-    for _ in stream(model, prompt, Sampling(new, temperature=0.8, top_k=200), generator=generator,
-                    decode_step=decode_step):
+    for _ in stream(model, prompt, sampling, decoding, generator=generator):
         pass
     return time.perf_counter() - t0
 
@@ -281,7 +283,10 @@ def threads(ckpt: str, new: int, rounds: int = 3) -> None:
 KV_STEPS = """import sys, torch
 sys.path.insert(0, {code!r})
 from model import GPT, GPTConfig
-from model.generation import decode_tokens_per_s
+try:  # where a checkout keeps it: model/generation.py before the timing helpers left it
+    from model.timing import decode_tokens_per_s
+except ImportError:
+    from model.generation import decode_tokens_per_s
 torch.manual_seed(0)
 model = GPT(GPTConfig(vocab_size=65, block_size={context}, **{shape!r})).eval()
 decode_tokens_per_s(model, {batch}, {context}, {dtype!r})  # warm-up: compiles what the steps compile
@@ -326,13 +331,21 @@ FLAG_STEPS = """import statistics, sys, torch
 sys.path.insert(0, {code!r})
 from model import GPT, GPTConfig
 from model.device import Precision
-from model.generation import CompiledDecodeStep, for_decoding, timed_stream  # (every checkout has them so)
+from model.generation import CompiledDecodeStep  # (every checkout has it so)
+try:  # where a checkout keeps them: model/generation.py before loading, timing and Decoding left it
+    from model.generation import Decoding
+    from model.loading import for_decoding
+    from model.timing import timed_stream
+    timed = lambda step: timed_stream(model, idx, {new}, Decoding(decode_step=step))
+except ImportError:
+    from model.generation import for_decoding, timed_stream
+    timed = lambda step: timed_stream(model, idx, {new}, True, step)
 torch.manual_seed(0)
 model = for_decoding(GPT(GPTConfig(vocab_size=65, **{shape!r})), "cpu", Precision({dtype!r}, {quantize!r}))
 step = CompiledDecodeStep(model, {batch}) if {compiled} else None
 idx = torch.zeros({batch}, 1, dtype=torch.long)
-timed_stream(model, idx, {new}, True, step)  # warm-up
-seconds = [timed_stream(model, idx, {new}, True, step)[1] for _ in range(3)]
+timed(step)  # warm-up
+seconds = [timed(step)[1] for _ in range(3)]
 print({batch} * ({new} - 1) / statistics.median(seconds))"""
 FLAG_SETS = {"no flags": ("auto", "auto", False), "compile=true": ("auto", "auto", True),
              "compile=true quantize=int8 dtype=bfloat16": ("bfloat16", "int8", True)}
@@ -392,7 +405,10 @@ VARIANT_STEPS = """import sys, time, torch
 sys.path.insert(0, {code!r})
 from torch.nn.attention import sdpa_kernel
 from model import GPT, GPTConfig
-from model.generation import decode_tokens_per_s
+try:  # where a checkout keeps it: model/generation.py before the timing helpers left it
+    from model.timing import decode_tokens_per_s
+except ImportError:
+    from model.generation import decode_tokens_per_s
 try:  # where a checkout keeps it: model/generation.py before it was split by concern
     from model.generation import decode_backends
 except ImportError:
@@ -506,7 +522,7 @@ def many_samples(samples: int = 8, prompt: int = 200, new: int = 50, rounds: int
     times = {share: [] for share in (False, True)}
     for _ in range(rounds + 1):  # the first round warms up
         for share in times:
-            times[share].append(timed_stream(model, idx, new, share_prefix=share))
+            times[share].append(timed_stream(model, idx, new, Decoding(share_prefix=share)))
     for share, runs in times.items():
         first, rest = (sorted(t[i] for t in runs[1:])[rounds // 2] for i in (0, 1))
         name = "once, copied into the rows (after)" if share else f"every row, {samples} x (before)"

@@ -20,7 +20,7 @@ from data.tokenizer import TextStream, tokenizer_from_meta  # noqa: E402
 from model.config import check_integer  # noqa: E402
 from model.convert import neox_weights  # noqa: E402
 from model.device import Precision, pick_device  # noqa: E402
-from model.generation import load_model  # noqa: E402
+from model.loading import load_model  # noqa: E402
 
 
 class Printer(BaseStreamer):

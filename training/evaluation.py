@@ -1,6 +1,8 @@
 """A model's loss on a split: the quick estimate training prints (a few fixed random batches) and
-the exact one (every token of the split predicted once, in block-sized windows)."""
+the exact one (every token of the split predicted once, in block-sized windows); and the sample a
+run ends with (`sample_ids`)."""
 
+import itertools
 import math
 from contextlib import nullcontext
 
@@ -8,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from model.config import check_integer
+from model.decode_step import CompiledDecodeStep
+from model.generation import Decoding, new_tokens_allowed, stream
 from model.kv_cache import storage_dtype
+from model.sampling import Sampling
 from training.distributed import mean_over_ranks
 
 
@@ -83,3 +88,20 @@ def target_windows(tokens: torch.Tensor, block_size: int) -> tuple[torch.Tensor,
     y = torch.full((n_windows * block_size,), -1, dtype=torch.long)  # -1: padding, ignored
     x[:n_targets], y[:n_targets] = tokens[:-1].cpu(), tokens[1:].cpu()
     return x.view(n_windows, block_size), y.view(n_windows, block_size)
+
+
+def sample_ids(model, prompt: list[int], max_new_tokens: int, seed: int, vocab_size=None,
+               stop=()) -> list[int]:
+    """A sample as nanoGPT's sample.py draws it (temperature 0.8, top_k 200, seeded): `prompt` and
+    max_new_tokens after it, fewer where the model's positions end sooner (new_tokens_allowed), or
+    where `stop` (a list a signal handler appends to) gets a signal: the tokens drawn until then. On
+    CUDA each token is one replay of the step captured as a CUDA graph, as `generate.py` samples
+    there, not a pass of the model launched kernel by kernel from Python."""
+    device = model.wte.weight.device
+    n = min(max_new_tokens, new_tokens_allowed(model.config, len(prompt)))
+    step = CompiledDecodeStep(model.eval(), backend="cuda_graph") if device.type == "cuda" and n > 1 else None
+    sampling, generator = Sampling(n, temperature=0.8, top_k=200), torch.Generator(device=device)
+    tokens = stream(model.eval(), torch.tensor([prompt], device=device), sampling,
+                    Decoding(decode_step=step, vocab_size=vocab_size), generator=generator.manual_seed(seed))
+    new = list(itertools.takewhile(lambda token: not stop, tokens))     # (1,) each, on the device
+    return prompt + (torch.cat(new).tolist() if new else [])

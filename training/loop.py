@@ -19,9 +19,8 @@ from data.batches import Batches
 from data.prepare import load_prepared
 from data.tokenizer import start_ids, tokenizer_from_meta
 from model import GPT, checkpoint
-from model.generation import sample_ids
 from training.distributed import init_distributed, mean_over_ranks, print0
-from training.evaluation import estimate_loss, split_loss
+from training.evaluation import estimate_loss, sample_ids, split_loss
 from training.optimizer import configure_optimizer
 from training.options import RunConfig, TrainConfig, out_of_memory
 from training.plots import import_in_background, plot_losses

@@ -15,7 +15,7 @@ import torch
 
 from cli.page import write_inspect_page
 from data.tokenizer import BPETokenizer
-from model.generation import stream
+from model.generation import Decoding, stream
 from model.recorder import DecodeRecorder
 from model.sampling import Sampling
 from tests.helpers import (
@@ -161,7 +161,7 @@ def check_views(browser, record, step: int, layer: int, head: int) -> None:
 
 def record_of(model, prompt, new=12, **kw) -> dict:
     with DecodeRecorder(model, prompt) as recorder:
-        for _ in recorder.watch(stream(model, torch.tensor([prompt]), Sampling(new, 0.8), **kw)):
+        for _ in recorder.watch(stream(model, torch.tensor([prompt]), Sampling(new, 0.8), Decoding(**kw))):
             pass
     return recorder.record()
 

@@ -16,7 +16,7 @@ from cli.errors import naming
 from model import GPT, checkpoint
 from model.checkpoint import Checkpoint, latest_run, open_temp
 from model.device import Precision
-from model.generation import load_model
+from model.loading import load_model
 from model.quantize import Int8Linear
 from tests.helpers import (
     ROOT,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from model.device import Precision
-from model.generation import generate, load_model
+from model.generation import generate
+from model.loading import load_model
 from tests.helpers import stream_logits
 from tests.real_model import FOLDER, MAKE
 

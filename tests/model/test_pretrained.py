@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import GPT, GPTConfig, generate
-from model.generation import load_model
+from model.loading import load_model
 from model.pretrained import (
     GPT2_KEYS,
     LLAMA_KEYS,

@@ -14,7 +14,8 @@ from model import GPT, GPTConfig, checkpoint, generate
 from model.checkpoint import Checkpoint
 from model.decode_step import CompiledDecodeStep
 from model.device import Precision
-from model.generation import load_model, stream
+from model.generation import Decoding, stream
+from model.loading import load_model
 from model.quantize import Int8Linear, quantize_int8
 from model.sampling import Sampling
 from tests.helpers import main_job_config, tiny_model
@@ -162,7 +163,7 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path,
         kv_dtype = torch.int8 if compile and quantize == "int8" else None
         decode_step = CompiledDecodeStep(model, len(idx), kv_dtype=kv_dtype) if compile and kv_cache else None
         greedy = Sampling(10, temperature=0)
-        new = list(stream(model, idx, greedy, kv_cache=kv_cache, decode_step=decode_step, kv_dtype=kv_dtype))
+        new = list(stream(model, idx, greedy, Decoding(kv_cache, kv_dtype, decode_step=decode_step)))
         tokens = torch.cat([idx, torch.stack(new, dim=1)], dim=1)           # (2, 15)
         assert ((0 <= tokens) & (tokens < 65)).all(), mode
         got = logits_along(model, tokens, 5, kv_cache, decode_step)
@@ -174,6 +175,6 @@ def test_every_decode_mode_gives_the_reference_logits_and_valid_tokens(tmp_path,
     folder, package, key = int8_package  # (the int8 step is this model's: built once for the session)
     assert list(folder.glob(f"{key}.*")) == [package] and "compiling" not in capfd.readouterr().err
     again = CompiledDecodeStep(model, len(idx), kv_dtype=torch.int8)
-    loaded, eager = (list(stream(model, idx, Sampling(10, temperature=0), decode_step=d, kv_dtype=torch.int8))
-                     for d in (again, None))
+    loaded, eager = (list(stream(model, idx, Sampling(10, temperature=0),
+                                 Decoding(kv_dtype=torch.int8, decode_step=d))) for d in (again, None))
     assert torch.equal(torch.stack(loaded), torch.stack(eager))

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from model.generation import left_pad, stream
+from model.generation import Decoding, left_pad, stream
 from model.recorder import MAX_WEIGHTS, DecodeRecorder, weights_to_record
 from model.sampling import Sampling
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, tiny_config, tiny_model
@@ -26,7 +26,7 @@ def recorded(model, prompt, *others, **kw):
     batch's first row, with `others` after it, all left-padded to the longest."""
     idx, pad = left_pad([prompt, *others], "cpu")
     with DecodeRecorder(model, prompt) as recorder:
-        steps = recorder.watch(stream(model, idx, Sampling(NEW, 0), pad=pad, **kw))
+        steps = recorder.watch(stream(model, idx, Sampling(NEW, 0), Decoding(**kw), pad=pad))
         tokens = [int(t[0]) for t in steps]
     return tokens, recorder.record()
 
@@ -115,7 +115,7 @@ def test_the_record_is_the_decodes_own(name):
     for kind, kw in CACHES.items():
         tokens, record = recorded(model, prompt, **kw)
         # The tokens it printed: those of the same decode unwatched.
-        plain = [int(t[0]) for t in stream(model, torch.tensor([prompt]), Sampling(NEW, 0), **kw)]
+        plain = [int(t[0]) for t in stream(model, torch.tensor([prompt]), Sampling(NEW, 0), Decoding(**kw))]
         assert tokens == plain and record["tokens"] == prompt + tokens, kind
         assert len(record["steps"]) == NEW and [s["token"] for s in record["steps"]] == tokens
         for s, step in enumerate(record["steps"]):
