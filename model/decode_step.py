@@ -1,6 +1,7 @@
-"""The one-token decode step, built once for a model and its static KV cache. It is compiled by
-torch.compile, exported ahead of time as an AOTInductor package (an int8 model on a CPU), or
-captured as a CUDA graph that also draws the next token; here too, the SDPA kernels a decode uses."""
+"""The one-token decode step, built once for a model and its static KV cache: one class a way of
+building it. Compiled by torch.compile (`CompiledCpuStep`; on CUDA `CompiledGraphStep`), exported
+ahead of time as an AOTInductor package (`AheadOfTimeStep`: an int8 model on a CPU), or captured as
+a CUDA graph that also draws the next token (`CudaGraphStep`); here too, the SDPA kernels a decode uses."""
 
 import contextlib
 import functools
@@ -9,8 +10,8 @@ import warnings
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from model.attention import SplitKV
 from model.config import check_integer
+from model.kernels import SplitKV
 from model.kv_cache import storage_dtype
 from model.sampling import Sampling, sample_next
 from model.step_package import (
@@ -57,7 +58,8 @@ class CompiledDecodeStep:
     layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
     `stream` given this step reuses. The cache, token, pad and position are tensors allocated here
     and written in place (a smaller batch uses the first rows), so every prompt length, number of
-    new tokens and batch up to batch_size runs one graph. `backend` says how:
+    new tokens and batch up to batch_size runs one graph. `backend` says how, and so which class
+    `CompiledDecodeStep(...)` makes (`step_class`):
 
         cuda_graph  the eager step captured once as a CUDA graph and replayed (CUDA only): no code
                     generated, captured in well under a second; `generate.py`'s default on CUDA
@@ -66,48 +68,44 @@ class CompiledDecodeStep:
         aot_eager   torch.compile traces the same graph and runs it eagerly: a quick check of the
                     traced step (tests, the GPU plan's smoke run)
 
-    On CUDA nothing the step reads changes shape: it reads every cell, unwritten ones masked, and
-    draws the next token inside the graph too (`sampler`), so the host launches one graph a token.
-    With `split_kv` (by default when inductor compiles) its one-query attention is split across the
-    GPU's multiprocessors (`attend_split_kv`). On a CPU it reads the cells written so far, in a
-    graph compiled once for any number of them (one dynamic dimension), called with no guard of
-    torch.compile's checked (the step is its model's and its cache's). An int8 model's CPU step is
-    compiled ahead of time instead (`ahead_of_time`): weights frozen in, kept on disk as an
-    AOTInductor package a later process loads in milliseconds, run by its C++ runner. Built and run
-    once when made: what that prints comes before a sample's text."""
+    On CUDA nothing the step reads changes shape (`CudaGraphStep`, `CompiledGraphStep`). On a CPU
+    it reads the cells written so far, in a graph compiled once for any number of them
+    (`CompiledCpuStep`); an int8 model's CPU step is compiled ahead of time instead
+    (`AheadOfTimeStep`). Built, and on a CPU run, once when made: what that prints comes before a
+    sample's text. A subclass says how it is built (`build`) and how it runs (`run`)."""
+
+    uses_torch_compile = False  # whether building it compiles (inductor: its cache folder checked first)
+
+    def __new__(cls, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
+                split_kv: bool | None = None, max_len: int | None = None):
+        chosen = step_class(model, backend)
+        if cls not in (CompiledDecodeStep, chosen):
+            raise ValueError(f"backend={backend!r} builds a {chosen.__name__}, not a {cls.__name__}")
+        return super().__new__(chosen)
 
     def __init__(self, model, batch_size: int = 1, kv_dtype=None, backend: str = "inductor",
                  split_kv: bool | None = None, max_len: int | None = None):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
-        if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
-            raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
-                             f"{backend!r} for a model on {device.type}")
-        self.model, self.split_kv = model, backend == "inductor" if split_kv is None else split_kv
-        # On a CPU, inductor's step of an int8 model is compiled ahead of time, its weights frozen in
-        self.frozen = backend == "inductor" and device.type == "cpu" and int8_weights(model)
+        self.model, self.backend = model, backend
+        self.split_kv = backend == "inductor" if split_kv is None else split_kv
         self.cache = model.new_kv_cache(batch_size, max_len, None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))  # max_len: block_size
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the cell written
-        self.backend = backend
         # SDPA's kernels, set around every call that compiles or captures the step (set inside the
         # traced function, they keep AOTAutograd's cache from storing it: ~1 s of each CPU start).
         self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
         self.inputs = (self.token, self.input_pos, self.cache, self.pad)
-        # On a CPU, a cache that is not one ring is read up to its last written cell: cells_read[:n],
-        # whose size n is the step's one dynamic dimension. (A ring reads every cell.)
+        # On a CPU, a cache that is not one ring is read up to its last written cell: the step is
+        # given carrier[:cells_read], whose size is its one dynamic dimension. (A ring reads every cell.)
         reads_written = device.type != "cuda" and not self.cache.ring
-        self.cells_read = torch.empty(self.cache.max_len, device=device) if reads_written else None
-
-        def logits_at(token, input_pos, cache, pad, cells_read=None):
-            reads = None if cells_read is None else cells_read.size(0)
-            return model.logits_at(token, input_pos, cache, pad, reads)
-
+        self.cells_read_carrier = torch.empty(self.cache.max_len, device=device) if reads_written else None
+        self.logits_at = step_function(model)
         # Inductor writes what it compiles to its cache folder: a folder it cannot write to (full,
         # read-only, not a folder) is said in one line, before compiling, or when a write is refused.
-        compiles = backend == "inductor" and not self.frozen  # (a package's build checks its own room)
+        compiles = backend == "inductor" and self.uses_torch_compile  # (a package checks its own room)
         folder = writable_folder(inductor_folder()) if compiles else None
         if compiles:  # (a cold compile of a large model takes a minute or more: said first)
             key = package_key(model, self.cache, dynamic_cells(self.cache), weights=False)
@@ -118,115 +116,165 @@ class CompiledDecodeStep:
             warnings.filterwarnings("ignore", message=".*TensorFloat32 tensor cores")
             # nor is autotune's own use of a deprecated storage API (timing an int8 step's products)
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            if device.type == "cuda":
-                self.run = self.captured(logits_at if backend == "cuda_graph" else
-                                         self.compiled(logits_at, backend))
-            else:
-                self.run = (self.ahead_of_time(logits_at) if self.frozen else
-                            self.compiled_reading_written(self.compiled(logits_at, backend), logits_at))
-                # Compiled now, not at a sample's first token: with 2 cells read (sizes 0 and 1 would
-                # be compiled as constants).
-                self.cache.advance(min(1, self.cache.max_len - 1))
-                self(self.token, self.cache)
-                self.cache.reset()
+            self.build()
         if compiles:
             mark_compiled(compiled)
 
-    def compiled(self, logits_at, backend: str):
-        """logits_at compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
-        as a CUDA graph after), or on a CPU one whose `cells_read` size is dynamic."""
+    def build(self) -> None:
+        """Make the step `run` calls (compile, export or capture it), inside the kernels' context."""
+        raise NotImplementedError
+
+    def run(self, cells_read: int) -> torch.Tensor:
+        """The logits (batch_size, 1, vocab) of the static inputs, attention reading `cells_read` cells."""
+        raise NotImplementedError
+
+    def torch_compiled(self, backend: str):
+        """The step compiled by torch.compile's `backend`: one fixed-shape graph (on CUDA, captured
+        as a CUDA graph after), or on a CPU one whose number of cells read is dynamic."""
         on_cpu = self.token.device.type == "cpu"
         if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
             for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
                            self.input_pos]:
                 torch._dynamo.mark_static_address(buffer)
         # A code object of its own: dynamo's recompile limit (8) counts the graphs of one code object.
-        logits_at.__code__ = logits_at.__code__.replace()
+        self.logits_at.__code__ = self.logits_at.__code__.replace()
         # No guard runs per call: like a CUDA graph, the step serves one model and one cache, read in
         # place (dynamo's ~500 guards cost the main job's CPU step a quarter of its time). On a CPU,
         # inductor's wrapper around its kernels is C++ too (cpp_wrapper): another fifth.
         options = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe}
         if backend == "inductor" and on_cpu:
             options["cpp_wrapper"] = True
-        dynamic = None if self.cells_read is not None else False  # None: the size that changes is dynamic
-        return torch.compile(logits_at, backend=backend, dynamic=dynamic, fullgraph=True, options=options)
+        dynamic = None if self.cells_read_carrier is not None else False  # None: the size that changes
+        return torch.compile(self.logits_at, backend=backend, dynamic=dynamic, fullgraph=True,
+                             options=options)
 
-    def compiled_reading_written(self, step, logits_at):
-        """run(reads) on a CPU: the compiled step over the first `reads` cells (all of them for a ring)."""
-        compiled = False
+    def eager(self, cells_read: int) -> torch.Tensor:
+        """The step run eagerly (a size a CPU step was not compiled for), reading `cells_read` cells."""
+        carrier = None if self.cells_read_carrier is None else self.cells_read_carrier[:cells_read]
+        with self.kernels():
+            return self.logits_at(*self.inputs, carrier)
 
-        def run(reads: int):
-            nonlocal compiled
-            if self.cells_read is None:
-                return step(*self.inputs)
-            cells_read = self.cells_read[:reads]                           # (reads,)
-            if reads < 2:  # 1 cell (a refill that kept no token): a size dynamo makes a constant
-                with self.kernels():
-                    return logits_at(*self.inputs, cells_read)  # so it runs eagerly
-            # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
-            # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
-            if not compiled:
-                torch._dynamo.mark_dynamic(cells_read, 0)
-                compiled = True
-            return step(*self.inputs, cells_read)
+    def compile_now(self) -> None:
+        """Run a CPU step once, with 2 cells read, so that it compiles now, not at a sample's first
+        token (sizes 0 and 1 would be compiled as constants)."""
+        self.cache.advance(min(1, self.cache.max_len - 1))
+        self(self.token, self.cache)
+        self.cache.reset()
 
-        return run
+    def sampler(self, sampling: Sampling, vocab_size, generator, B: int):
+        """A step that also draws the next tokens (CUDA graphs: CudaGraphStep.sampler); None here."""
+        return None
 
-    def ahead_of_time(self, logits_at):
-        """run(reads) on a CPU for an int8 model: the step exported (torch.export) and compiled by
-        AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
-        package (model.step_package) that a later process loads in milliseconds, and called through
-        the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. Its numbers of
-        cells (the cache's and those read) are dynamic sizes: one package serves every length. A
-        number outside those it was exported for (below 2, or where export specialised) runs eagerly."""
-        reads_written = self.cells_read is not None
+    def write_inputs(self, token, cache, pad=None):
+        """token (B, 1), B <= batch_size, pad (B,) or None and the cell cache.length to the static inputs."""
+        B = token.size(0)
+        self.token[:B] = token
+        self.pad[:B] = 0 if pad is None else pad
+        self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
 
-        def eager(reads: int):
-            with self.kernels():
-                return logits_at(*self.inputs, self.cells_read[:reads] if reads_written else None)
+    def __call__(self, token, cache, pad=None):
+        """The logits (B, vocab) after token (B, 1), B <= batch_size, at cell cache.length: read them
+        before the next call, which writes over them."""
+        self.write_inputs(token, cache, pad)
+        logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
+        cache.advance(1)
+        return logits[:token.size(0), -1]
 
-        if reads_written and self.cache.max_len < 3:  # (export would take 2 cells read for the cache's 2)
-            return eager
-        # a ring reads every cell: its `cells_read` input is a placeholder of fixed size
-        cells_read = self.cells_read[:self.cache.max_len - 1] if reads_written else self.token.new_empty(0)
+
+class CompiledCpuStep(CompiledDecodeStep):
+    """On a CPU (inductor, aot_eager): torch.compile's step over the cells written so far (all of a
+    ring's), in a graph compiled once for any number of them (one dynamic dimension), called with no
+    guard of torch.compile's checked (the step is its model's and its cache's)."""
+
+    uses_torch_compile = True
+
+    def build(self) -> None:
+        self.compiled, self.marked_dynamic = self.torch_compiled(self.backend), False
+        self.compile_now()
+
+    def run(self, cells_read: int) -> torch.Tensor:
+        if self.cells_read_carrier is None:
+            return self.compiled(*self.inputs)
+        if cells_read < 2:  # 1 cell (a refill that kept no token): a size dynamo makes a constant
+            return self.eager(cells_read)  # so it runs eagerly
+        carrier = self.cells_read_carrier[:cells_read]                   # (cells_read,)
+        # The first call compiles the graph for every number in 2 .. max_len: the whole cache too,
+        # which comes once a refill (eager, the main job's step took 3 ms there; compiled, 0.4)
+        if not self.marked_dynamic:
+            torch._dynamo.mark_dynamic(carrier, 0)
+            self.marked_dynamic = True
+        return self.compiled(*self.inputs, carrier)
+
+
+class AheadOfTimeStep(CompiledDecodeStep):
+    """On a CPU, inductor's step of an int8 model: exported (torch.export) and compiled by
+    AOTInductor with its weights frozen in (inductor's own C++ int8 products), kept on disk as a
+    package (model.step_package) that a later process loads in milliseconds, and called through
+    the package's C++ runner: no dynamo, AOTAutograd or guard between two steps. Its numbers of
+    cells (the cache's and those read) are dynamic sizes: one package serves every length. A
+    number outside those it was exported for (below 2, or where export specialised) runs eagerly."""
+
+    def build(self) -> None:
+        reads_written = self.cells_read_carrier is not None
+        self.runner, self.cells_read_range = None, (0, 0)  # no runner: every step eager
+        if not reads_written or self.cache.max_len >= 3:  # (export would take 2 cells read for the cache's 2)
+            self.load_or_build_package()
+        self.compile_now()
+
+    def load_or_build_package(self) -> None:
+        """The runner of this step's package, loaded, or built then loaded as it is (its digest is its
+        name: not read again); the range of cells read it takes; None if the cache's size is not one
+        it was exported for."""
+        reads_written = self.cells_read_carrier is not None
+        # a ring reads every cell: its carrier input is a placeholder of fixed size
+        carrier = (self.cells_read_carrier[:self.cache.max_len - 1] if reads_written else
+                   self.token.new_empty(0))
         tensors, dynamic = self.cache.tensors, dynamic_cells(self.cache)
         folder = inductor_folder() / "kvgpt"
         key = package_key(self.model, self.cache, dynamic)
         runner = load_package(folder, key)
-        if runner is None:  # built, then loaded as it is (its digest is its name: not read again)
-            example = (self.token, self.input_pos, self.pad, cells_read, tensors)
+        if runner is None:
+            example = (self.token, self.input_pos, self.pad, carrier, tensors)
             export = functools.partial(export_step, self.model, self.cache, example, reads_written, dynamic,
                                        kernels=self.kernels)
             runner = package_runner(path := build_package(folder, key, export, self.model))
             if runner is None:
                 raise RuntimeError(f"the decode step just compiled, {path}, does not load")
         ranges = runner.get_metadata()
-        low, high = (int(n) for n in ranges["reads"].split())
+        self.cells_read_range = tuple(int(n) for n in ranges["cells_read"].split())
         cells_low, cells_high = (int(n) for n in ranges["cells"].split())
-        inputs = [self.token, self.input_pos, self.pad, cells_read, *tensors]
-        fits = cells_low <= self.cache.max_len <= cells_high
+        self.runner = runner if cells_low <= self.cache.max_len <= cells_high else None
+        self.package_inputs = [self.token, self.input_pos, self.pad, carrier, *tensors]
 
-        def run(reads: int):
-            if not fits or reads_written and not low <= reads <= high:
-                return eager(reads)
-            if reads_written:
-                inputs[3] = self.cells_read[:reads]                        # (reads,)
-            return runner.run(inputs)[0]
+    def run(self, cells_read: int) -> torch.Tensor:
+        reads_written = self.cells_read_carrier is not None
+        low, high = self.cells_read_range
+        if self.runner is None or reads_written and not low <= cells_read <= high:
+            return self.eager(cells_read)
+        if reads_written:
+            self.package_inputs[3] = self.cells_read_carrier[:cells_read]  # (cells_read,)
+        return self.runner.run(self.package_inputs)[0]
 
-        return run
 
-    def captured(self, logits_at):
-        """run(reads) on CUDA: logits_at over the static inputs captured as a CUDA graph (`capture`),
-        each call a replay whose logits are written to the same tensor."""
-        self.body, self.sampling_graphs = logits_at, {}
-        graph, logits = self.capture(lambda: logits_at(*self.inputs))    # (batch_size, 1, vocab)
-        self.graph = graph  # (kept alive with its memory pool)
+class CudaGraphStep(CompiledDecodeStep):
+    """On CUDA (cuda_graph): the eager step captured once as a CUDA graph over the static inputs,
+    each call a replay whose logits are written to the same tensor. Nothing it reads changes shape:
+    it reads every cell, unwritten ones masked, and draws the next token inside a graph too
+    (`sampler`), so the host launches one graph a token. With `split_kv` (by default when inductor
+    compiles) its one-query attention is split across the GPU's multiprocessors (`attend_split_kv`)."""
 
-        def run(reads: int):
-            graph.replay()
-            return logits
+    def to_capture(self):
+        """The step the graph captures: the model's own."""
+        return self.logits_at
 
-        return run
+    def build(self) -> None:
+        self.captured_step, self.sampling_graphs = self.to_capture(), {}
+        # logits (batch_size, 1, vocab); the graph kept alive with its memory pool
+        self.graph, self.logits = self.capture(lambda: self.captured_step(*self.inputs))
+
+    def run(self, cells_read: int) -> torch.Tensor:
+        self.graph.replay()
+        return self.logits
 
     def capture(self, body, generator=None, restore_rng=False):
         """(a CUDA graph of body(), what body returned): warmed up twice on a side stream (as capturing
@@ -254,19 +302,19 @@ class CompiledDecodeStep:
         return graph, out
 
     def sampler(self, sampling: Sampling, vocab_size, generator, B: int):
-        """On CUDA, a step that also draws the next tokens, (token (B, 1), cache, pad) -> (B,): one
-        CUDA graph of the step and `sample_next` (greedy, temperature, top-k, top-p, `generator`),
-        captured on the first call for each way of sampling and batch size (the draws of a smaller
-        batch are others), kept for the 4 latest. The same tokens as sampling after the step's logits,
-        seeded too. None on a CPU, or for a list of generators (one per row: drawn after the step)."""
-        if self.token.device.type != "cuda" or isinstance(generator, (list, tuple)):
+        """A step that also draws the next tokens, (token (B, 1), cache, pad) -> (B,): one CUDA graph
+        of the step and `sample_next` (greedy, temperature, top-k, top-p, `generator`), captured on
+        the first call for each way of sampling and batch size (the draws of a smaller batch are
+        others), kept for the 4 latest. The same tokens as sampling after the step's logits, seeded
+        too. None for a list of generators (one per row: drawn after the step)."""
+        if isinstance(generator, (list, tuple)):
             return None
         key = (B, sampling.temperature, sampling.top_k, sampling.top_p, vocab_size, generator)
         if key not in self.sampling_graphs:
             if len(self.sampling_graphs) == 4:
                 del self.sampling_graphs[next(iter(self.sampling_graphs))]
             with torch.inference_mode():
-                logits = lambda: self.body(*self.inputs)[:B, -1, :vocab_size]  # noqa: E731  (B, vocab)
+                logits = lambda: self.captured_step(*self.inputs)[:B, -1, :vocab_size]  # noqa: E731  (B, vocab)
                 self.sampling_graphs[key] = self.capture(lambda: sample_next(logits(), sampling, generator),
                                                          generator, restore_rng=True)
         graph, drawn = self.sampling_graphs[key]                         # drawn: (B,)
@@ -279,20 +327,35 @@ class CompiledDecodeStep:
 
         return step_and_draw
 
-    def write_inputs(self, token, cache, pad=None):
-        """token (B, 1), B <= batch_size, pad (B,) or None and the cell cache.length to the static inputs."""
-        B = token.size(0)
-        self.token[:B] = token
-        self.pad[:B] = 0 if pad is None else pad
-        self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
 
-    def __call__(self, token, cache, pad=None):
-        """The logits (B, vocab) after token (B, 1), B <= batch_size, at cell cache.length: read them
-        before the next call, which writes over them."""
-        self.write_inputs(token, cache, pad)
-        logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
-        cache.advance(1)
-        return logits[:token.size(0), -1]
+class CompiledGraphStep(CudaGraphStep):
+    """On CUDA (inductor, aot_eager): torch.compile's fixed-shape step, captured as a CUDA graph."""
+
+    uses_torch_compile = True
+
+    def to_capture(self):
+        return self.torch_compiled(self.backend)
+
+
+def step_class(model, backend: str) -> type:
+    """The class of the step `backend` builds for `model`, on its weights' device."""
+    device = model.wte.weight.device
+    if backend not in STEP_BACKENDS or (backend == "cuda_graph" and device.type != "cuda"):
+        raise ValueError(f"backend must be one of {', '.join(STEP_BACKENDS)} (cuda_graph on CUDA), got "
+                         f"{backend!r} for a model on {device.type}")
+    if device.type == "cuda":
+        return CudaGraphStep if backend == "cuda_graph" else CompiledGraphStep
+    return AheadOfTimeStep if backend == "inductor" and int8_weights(model) else CompiledCpuStep
+
+
+def step_function(model):
+    """The step as a function of its inputs, one of its own (each step compiles its own code object):
+    (token, input_pos, cache, pad, carrier (cells_read,) or None) -> logits (B, 1, vocab)."""
+    def logits_at(token, input_pos, cache, pad, carrier=None):
+        cells_read = None if carrier is None else carrier.size(0)
+        return model.logits_at(token, input_pos, cache, pad, cells_read=cells_read)
+
+    return logits_at
 
 
 def int8_weights(model) -> bool:
@@ -308,9 +371,9 @@ class ExportedStep(torch.nn.Module):
         super().__init__()
         self.model, self.cache, self.reads_written = model, cache, reads_written
 
-    def forward(self, token, input_pos, pad, cells_read, tensors):
-        reads = cells_read.size(0) if self.reads_written else None
-        return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, reads)
+    def forward(self, token, input_pos, pad, carrier, tensors):
+        cells_read = carrier.size(0) if self.reads_written else None
+        return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, cells_read=cells_read)
 
 
 def dynamic_cells(cache) -> list[bool]:
@@ -322,7 +385,7 @@ def dynamic_cells(cache) -> list[bool]:
 
 
 def export_step(model, cache, example, reads_written: bool, dynamic: list[bool], path, kernels) -> None:
-    """Export the step over `cache` (example: token, input_pos, pad, cells_read, the cache's tensors)
+    """Export the step over `cache` (example: token, input_pos, pad, carrier, the cache's tensors)
     with the number of cells read (where it reads the written cells) and the cache's length (the
     tensors `dynamic` marks) as dynamic sizes, and compile it with AOTInductor into the package
     `path`, whose metadata records the sizes export kept dynamic ("low high" of each: a view of the
@@ -331,18 +394,18 @@ def export_step(model, cache, example, reads_written: bool, dynamic: list[bool],
     from torch._inductor.exc import InductorError
 
     block = model.config.block_size
-    reads_dim = {0: torch.export.Dim.DYNAMIC(min=2, max=block)} if reads_written else None
+    cells_read_dim = {0: torch.export.Dim.DYNAMIC(min=2, max=block)} if reads_written else None
     cells_dims = [{2: torch.export.Dim.DYNAMIC(min=2, max=block)} if d else None for d in dynamic]
     with kernels(), torch.inference_mode(False), torch.no_grad():
         program = torch.export.export(ExportedStep(model, cache, reads_written), example,
-                                      dynamic_shapes=(None, None, None, reads_dim, cells_dims))
+                                      dynamic_shapes=(None, None, None, cells_read_dim, cells_dims))
     inputs = [node.meta["val"] for node in program.graph.find_nodes(op="placeholder")]
     n = len(example[4])
-    read_size, cell_sizes = inputs[-n - 1].size(0), [t.size(2) for t in inputs[-n:]]
+    cells_read_size, cell_sizes = inputs[-n - 1].size(0), [t.size(2) for t in inputs[-n:]]
     symbol = lambda size: size.node.expr if isinstance(size, torch.SymInt) else None  # noqa: E731
-    if reads_written and symbol(read_size) in {symbol(size) for size in cell_sizes} - {None}:
+    if reads_written and symbol(cells_read_size) in {symbol(size) for size in cell_sizes} - {None}:
         raise RuntimeError("export took the cells read for the cache's: the package would be wrong")
-    reads = size_range(program, read_size)
+    cells_read = size_range(program, cells_read_size)
     cells = [size_range(program, size) for size, d in zip(cell_sizes, dynamic) if d]
     cells = (max(r[0] for r in cells), min(r[1] for r in cells)) if cells else (cache.max_len, cache.max_len)
     # Inductor's C++ int8 products, untimed (they won at every shape, and each timing costs ~3.5 s);
@@ -350,7 +413,7 @@ def export_step(model, cache, example, reads_written: bool, dynamic: list[bool],
     options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP",
                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False,
                "aot_inductor.metadata": {name: f"{low} {high}" for name, (low, high) in
-                                         (("reads", reads), ("cells", cells))}}
+                                         (("cells_read", cells_read), ("cells", cells))}}
     try:
         torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     except InductorError:

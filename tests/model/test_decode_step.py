@@ -12,9 +12,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.gpu import SDPACalls
 from model import GPT
-from model.attention import SplitKV
 from model.decode_step import CompiledDecodeStep, decode_backends
-from model.generation import generate, load_model
+from model.generation import generate
+from model.kernels import SplitKV
+from model.loading import load_model
 from tests.helpers import ATTENTION, BOUNDED, ENDLESS, cache_kind_model, split_kv_wide, tiny_model
 
 
@@ -28,8 +29,8 @@ def test_a_step_reading_the_written_cells_equals_one_reading_every_cell_masked(a
     with torch.no_grad():
         model(torch.randint(0, 37, (2, 5)), kv_cache=cache)
         token, input_pos = torch.randint(0, 37, (2, 1)), torch.tensor([5])
-        written = model.logits_at(token, input_pos, cache, cache_len=6)
-        every_cell = model.logits_at(token, input_pos, cache, cache_len=None)
+        written = model.logits_at(token, input_pos, cache, cells_read=6)
+        every_cell = model.logits_at(token, input_pos, cache, cells_read=None)
     torch.testing.assert_close(written, every_cell, atol=1e-6, rtol=0)
 
 
@@ -66,7 +67,8 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
         # dynamo's recompile limit (8) does not bound how many steps of other shapes a process makes.
         # This one decodes a sliding window through an int8 ring, 3x past block_size (24).
         other = CompiledDecodeStep(window, batch_size=1, kv_dtype=torch.int8, backend="aot_eager")
-        assert step.cells_read.shape == (model.config.block_size,) and other.cells_read is None
+        assert (step.cells_read_carrier.shape == (model.config.block_size,)
+                and other.cells_read_carrier is None)
         assert torch.equal(generate(window, [[1, 2]], 72, temperature=0, decode_step=other)[0], window_eager)
     assert counters["stats"]["unique_graphs"] - graphs == 2
     assert [t.data_ptr() for t in step.cache.buffers] == buffers
