@@ -4,9 +4,10 @@ builds one extension on it (docs/variants.md, "Where each extension lives")."""
 
 from model.config import GPTConfig
 from model.core.attention import attend
-from model.generation import generate, load_model
+from model.generation import Decoding, generate
 from model.gpt import GPT
 from model.kv_cache import KVCache
+from model.loading import load_model
 from model.sampling import Sampling
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "Sampling", "attend", "generate", "load_model"]
+__all__ = ["GPT", "Decoding", "GPTConfig", "KVCache", "Sampling", "attend", "generate", "load_model"]

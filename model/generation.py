@@ -23,7 +23,6 @@ from model.config import check_integer
 from model.decode_step import CompiledDecodeStep, CudnnAttentionOff
 from model.kernels import compiling_pays
 from model.kv_cache import storage_dtype
-from model.loading import load_model  # noqa: F401  (model/__init__.py's import, until it imports model.loading)
 from model.prefill import make_room, prefill
 from model.sampling import Sampling, sample_next
 

@@ -137,9 +137,9 @@ def test_the_imports_have_no_circle():
 # model/'s files from the bottom up: each imports only files before it (the package's __init__,
 # its public face, sits on top). A new file takes its place here, which is where a reader finds
 # the order to read them in.
-MODEL_ORDER = ["core", "config", "device", "kv_cache", "quantize", "windows", "kernels", "attention", "latent",
-               "rope", "pretrained", "gpt", "checkpoint", "convert", "loading", "sampling", "prefill",
-               "step_package", "decode_step", "recorder", "generation", "timing", "__init__"]
+MODEL_ORDER = ["core", "config", "device", "kv_cache", "quantize", "windows", "kernels", "attention",
+               "latent", "rope", "pretrained", "gpt", "checkpoint", "convert", "loading", "sampling",
+               "prefill", "step_package", "decode_step", "recorder", "generation", "timing", "__init__"]
 MODEL_FILES = sorted((ROOT / "model").glob("*.py"))
 
 

@@ -47,7 +47,7 @@ class Block(nn.Module):
         self.attn = self.attention(config, layer_idx)
         self.norm_2 = make_norm(config, config.n_embd)
         self.mlp = MLP(config)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
 
     def forward(self, x, rope=None, kv_cache=None):
         x = x + self.dropout(self.attn(self.norm_1(x), rope, kv_cache))
@@ -64,7 +64,7 @@ class GPT(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos_emb == "learned" else None
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
         self.blocks = nn.ModuleList(self.block(config, i) for i in range(config.n_layer))
         self.norm_f = make_norm(config, config.n_embd)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
