@@ -50,17 +50,17 @@ class CausalSelfAttention(CoreAttention):
         self.weights = None
 
     def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cells_read=None, pad=None):
+                cells_read=None, starts=None):
         """x (B, T, n_embd) -> (out (B, T, n_embd), the (k, v) attended over). With `kv_cache`, the new
         K/V go to positions `input_pos` (T,) and the queries attend over the cells the cache reads
-        (`cells_read`; GroupCache.key_positions; `pad` (B,) places each row's sinks). `attn_mask` says
+        (`cells_read`; GroupCache.key_positions; `starts` (B,) places each row's sinks). `attn_mask` says
         which keys each query sees; without one, causal (within the window). A layer that makes no
         K/V attends over `shared_kv`."""
         q, k, v = self.heads(x, rope)
         if not self.makes_kv:
             k, v = shared_kv
         elif kv_cache is not None:
-            k, v = kv_cache.groups[self.kv_group].update(input_pos, k, v, cells_read, pad)
+            k, v = kv_cache.groups[self.kv_group].update(input_pos, k, v, cells_read, starts)
         return self.project(self.attend(q, k, v, attn_mask)), (k, v)
 
     def heads(self, x, rope=None):

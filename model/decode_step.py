@@ -56,7 +56,7 @@ STEP_BACKENDS = ("inductor", "aot_eager", "cuda_graph")
 class CompiledDecodeStep:
     """The one-token step built once for a model, with one static KV cache (block_size cells per
     layer, or a ring of its window and sinks; batch_size rows; stored in kv_dtype) that every
-    `stream` given this step reuses. The cache, token, pad and position are tensors allocated here
+    `stream` given this step reuses. The cache, token, starts and position are tensors allocated here
     and written in place (a smaller batch uses the first rows), so every prompt length, number of
     new tokens and batch up to batch_size runs one graph. `backend` says how, and so which class
     `CompiledDecodeStep(...)` makes (`step_class`):
@@ -92,12 +92,12 @@ class CompiledDecodeStep:
         self.cache = model.new_kv_cache(batch_size, max_len, None if kv_dtype is None else
                                         storage_dtype(kv_dtype, "kv_dtype"))  # max_len: block_size
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)   # (batch_size, 1)
-        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
+        self.starts = torch.zeros(batch_size, dtype=torch.long, device=device)        # (batch_size,)
         self.input_pos = torch.zeros(1, dtype=torch.long, device=device)           # (1,) the cell written
         # SDPA's kernels, set around every call that compiles or captures the step (set inside the
         # traced function, they keep AOTAutograd's cache from storing it: ~1 s of each CPU start).
         self.kernels = functools.partial(sdpa_kernel, decode_backends(device), set_priority=True)
-        self.inputs = (self.token, self.input_pos, self.cache, self.pad)
+        self.inputs = (self.token, self.input_pos, self.cache, self.starts)
         # On a CPU, a cache that is not one ring is read up to its last written cell: the step is
         # given carrier[:cells_read], whose size is its one dynamic dimension. (A ring reads every cell.)
         reads_written = device.type != "cuda" and not self.cache.ring
@@ -133,7 +133,7 @@ class CompiledDecodeStep:
         as a CUDA graph after), or on a CPU one whose number of cells read is dynamic."""
         on_cpu = self.token.device.type == "cpu"
         if not on_cpu:  # a CUDA graph reads its inputs where they were captured: no copy in
-            for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.pad,
+            for buffer in [*self.cache.buffers, *self.cache.read_buffer.values(), self.token, self.starts,
                            self.input_pos]:
                 torch._dynamo.mark_static_address(buffer)
         # A code object of its own: dynamo's recompile limit (8) counts the graphs of one code object.
@@ -165,17 +165,18 @@ class CompiledDecodeStep:
         """A step that also draws the next tokens (CUDA graphs: CudaGraphStep.sampler); None here."""
         return None
 
-    def write_inputs(self, token, cache, pad=None):
-        """token (B, 1), B <= batch_size, pad (B,) or None and the cell cache.length to the static inputs."""
+    def write_inputs(self, token, cache, starts=None):
+        """token (B, 1), B <= batch_size, starts (B,) or None and the cell cache.length to the static
+        inputs."""
         B = token.size(0)
         self.token[:B] = token
-        self.pad[:B] = 0 if pad is None else pad
+        self.starts[:B] = 0 if starts is None else starts
         self.input_pos.fill_(cache.length)                               # a kernel, not a host copy
 
-    def __call__(self, token, cache, pad=None):
+    def __call__(self, token, cache, starts=None):
         """The logits (B, vocab) after token (B, 1), B <= batch_size, at cell cache.length: read them
         before the next call, which writes over them."""
-        self.write_inputs(token, cache, pad)
+        self.write_inputs(token, cache, starts)
         logits = self.run(min(cache.length + 1, cache.max_len))          # (batch_size, 1, vocab)
         cache.advance(1)
         return logits[:token.size(0), -1]
@@ -234,7 +235,7 @@ class AheadOfTimeStep(CompiledDecodeStep):
         key = package_key(self.model, self.cache, dynamic)
         runner = load_package(folder, key)
         if runner is None:
-            example = (self.token, self.input_pos, self.pad, carrier, tensors)
+            example = (self.token, self.input_pos, self.starts, carrier, tensors)
             export = functools.partial(export_step, self.model, self.cache, example, reads_written, dynamic,
                                        kernels=self.kernels)
             runner = package_runner(path := build_package(folder, key, export, self.model))
@@ -244,7 +245,7 @@ class AheadOfTimeStep(CompiledDecodeStep):
         self.cells_read_range = tuple(int(n) for n in ranges["cells_read"].split())
         cells_low, cells_high = (int(n) for n in ranges["cells"].split())
         self.runner = runner if cells_low <= self.cache.max_len <= cells_high else None
-        self.package_inputs = [self.token, self.input_pos, self.pad, carrier, *tensors]
+        self.package_inputs = [self.token, self.input_pos, self.starts, carrier, *tensors]
 
     def run(self, cells_read: int) -> torch.Tensor:
         reads_written = self.cells_read_carrier is not None
@@ -302,7 +303,7 @@ class CudaGraphStep(CompiledDecodeStep):
         return graph, out
 
     def sampler(self, sampling: Sampling, vocab_size, generator, B: int):
-        """A step that also draws the next tokens, (token (B, 1), cache, pad) -> (B,): one CUDA graph
+        """A step that also draws the next tokens, (token (B, 1), cache, starts) -> (B,): one CUDA graph
         of the step and `sample_next` (greedy, temperature, top-k, top-p, `generator`), captured on
         the first call for each way of sampling and batch size (the draws of a smaller batch are
         others), kept for the 4 latest. The same tokens as sampling after the step's logits, seeded
@@ -319,8 +320,8 @@ class CudaGraphStep(CompiledDecodeStep):
                                                          generator, restore_rng=True)
         graph, drawn = self.sampling_graphs[key]                         # drawn: (B,)
 
-        def step_and_draw(token, cache, pad=None):
-            self.write_inputs(token, cache, pad)
+        def step_and_draw(token, cache, starts=None):
+            self.write_inputs(token, cache, starts)
             graph.replay()
             cache.advance(1)
             return drawn
@@ -350,10 +351,10 @@ def step_class(model, backend: str) -> type:
 
 def step_function(model):
     """The step as a function of its inputs, one of its own (each step compiles its own code object):
-    (token, input_pos, cache, pad, carrier (cells_read,) or None) -> logits (B, 1, vocab)."""
-    def logits_at(token, input_pos, cache, pad, carrier=None):
+    (token, input_pos, cache, starts, carrier (cells_read,) or None) -> logits (B, 1, vocab)."""
+    def logits_at(token, input_pos, cache, starts, carrier=None):
         cells_read = None if carrier is None else carrier.size(0)
-        return model.logits_at(token, input_pos, cache, pad, cells_read=cells_read)
+        return model.logits_at(token, input_pos, cache, starts, cells_read=cells_read)
 
     return logits_at
 
@@ -371,9 +372,9 @@ class ExportedStep(torch.nn.Module):
         super().__init__()
         self.model, self.cache, self.reads_written = model, cache, reads_written
 
-    def forward(self, token, input_pos, pad, carrier, tensors):
+    def forward(self, token, input_pos, starts, carrier, tensors):
         cells_read = carrier.size(0) if self.reads_written else None
-        return self.model.logits_at(token, input_pos, self.cache.over(tensors), pad, cells_read=cells_read)
+        return self.model.logits_at(token, input_pos, self.cache.over(tensors), starts, cells_read=cells_read)
 
 
 def dynamic_cells(cache) -> list[bool]:
@@ -385,7 +386,7 @@ def dynamic_cells(cache) -> list[bool]:
 
 
 def export_step(model, cache, example, reads_written: bool, dynamic: list[bool], path, kernels) -> None:
-    """Export the step over `cache` (example: token, input_pos, pad, carrier, the cache's tensors)
+    """Export the step over `cache` (example: token, input_pos, starts, carrier, the cache's tensors)
     with the number of cells read (where it reads the written cells) and the cache's length (the
     tensors `dynamic` marks) as dynamic sizes, and compile it with AOTInductor into the package
     `path`, whose metadata records the sizes export kept dynamic ("low high" of each: a view of the

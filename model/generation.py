@@ -159,11 +159,11 @@ def stream(model, idx, sampling: Sampling, decoding: Decoding | None = None, *, 
 
 
 @torch.no_grad()
-def drawn(model, idx, sampling: Sampling, decoding: Decoding, generator, pad):
+def drawn(model, idx, sampling: Sampling, decoding: Decoding, generator, starts):
     """`stream`'s tokens, its arguments checked."""
     (B, T), max_new_tokens = idx.shape, sampling.max_new_tokens
     decode_step, chunk, vocab_size = decoding.decode_step, decoding.prefill_chunk, decoding.vocab_size
-    context = TokenBuffer(idx, pad, model.config.context_size or T + max_new_tokens, max_new_tokens)
+    context = TokenBuffer(idx, starts, model.config.context_size or T + max_new_tokens, max_new_tokens)
     cache = None if decode_step is None else decode_step.cache  # static: its first B rows serve this call
     if decoding.kv_cache and cache is None:
         cells = min(model.config.block_size, T + max_new_tokens)
@@ -176,11 +176,11 @@ def drawn(model, idx, sampling: Sampling, decoding: Decoding, generator, pad):
     # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
     step_draws = decode_step.sampler(sampling, vocab_size, generator, B) if decode_step is not None else None
 
-    # cache_pad (B,): the pad cells among the cache's. Inference mode (~15% faster a step on a CPU),
-    # no cuDNN attention; the tokens, sampled outside it, are plain tensors one may train on.
+    # cache_starts (B,): the column of each row's position 0 in the cache. Inference mode (~15% faster
+    # a step on a CPU), no cuDNN attention; the tokens, sampled outside it, are plain tensors to train on.
     no_cudnn = CudnnAttentionOff()
     with torch.inference_mode(), no_cudnn:
-        logits, cache_pad = prefill(model, context.tokens, cache, pad, chunk, decoding.share_prefix)
+        logits, cache_starts = prefill(model, context.tokens, cache, starts, chunk, decoding.share_prefix)
     token = sample_next(logits[:, :vocab_size], sampling, generator) if max_new_tokens else None  # (B,)
     for i in range(max_new_tokens):
         yield token
@@ -189,28 +189,28 @@ def drawn(model, idx, sampling: Sampling, decoding: Decoding, generator, pad):
         context.append(token)
         with torch.inference_mode(), no_cudnn:
             if cache is None:
-                logits, _ = prefill(model, context.tokens, None, context.pad)
+                logits, _ = prefill(model, context.tokens, None, context.starts)
             else:
                 if cache.full:
-                    cache_pad = make_room(model, context.tokens[:, :-1], cache, cache_pad, chunk)
-                logits = (step_draws or step)(token[:, None], cache, cache_pad)  # (B, vocab), or drawn: (B,)
+                    cache_starts = make_room(model, context.tokens[:, :-1], cache, cache_starts, chunk)
+                logits = (step_draws or step)(token[:, None], cache, cache_starts)  # (B, vocab); drawn: (B,)
         token = logits.clone() if step_draws else sample_next(logits[:, :vocab_size], sampling, generator)
 
 
 def eager_step(model):
-    """The one-token step as the model's own forward pass: (token (B, 1), cache, pad) -> (B, vocab)."""
-    return lambda token, cache, pad: model(token, kv_cache=cache, pad=pad)[:, -1]
+    """The one-token step as the model's own forward pass: (token (B, 1), cache, starts) -> (B, vocab)."""
+    return lambda token, cache, starts: model(token, kv_cache=cache, starts=starts)[:, -1]
 
 
 class TokenBuffer:
     """The prompt and the tokens so far, (B, filled), in one tensor written in place (`tokens`):
     what the uncached reference and a refill run again. When it is full, only the last `history`
-    stay (all any step reads again), moved to the front; `pad` moves with them, below 0 once a
+    stay (all any step reads again), moved to the front; `starts` moves with them, below 0 once a
     row's padding is cut off."""
 
-    def __init__(self, idx, pad, history: int, max_new_tokens: int):
+    def __init__(self, idx, starts, history: int, max_new_tokens: int):
         B, T = idx.shape
-        self.history, self.pad, self.filled = history, pad, T
+        self.history, self.starts, self.filled = history, starts, T
         self.buffer = torch.empty(B, min(T + max_new_tokens, max(T, 2 * history)), dtype=idx.dtype,
                                   device=idx.device)                     # (B, capacity)
         self.buffer[:, :T] = idx
@@ -224,7 +224,7 @@ class TokenBuffer:
         if self.filled == self.buffer.size(1):
             cut = self.filled - self.history
             self.buffer[:, :self.history] = self.buffer[:, cut:self.filled].clone()
-            self.pad = None if self.pad is None else self.pad - cut     # (B,)
+            self.starts = None if self.starts is None else self.starts - cut     # (B,)
             self.filled = self.history
         self.buffer[:, self.filled] = token
         self.filled += 1

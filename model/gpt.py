@@ -28,10 +28,11 @@ class Block(CoreBlock):
         return (CausalSelfAttention if config.mla_latent_dim is None else LatentAttention)(config, layer_idx)
 
     def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cells_read=None, pad=None):
+                cells_read=None, starts=None):
         """(the new x, the keys and values attended over). The other arguments are the attention's
         (CausalSelfAttention.forward), passed in its order."""
-        out, kv = self.attn(self.norm_1(x), rope, kv_cache, input_pos, attn_mask, shared_kv, cells_read, pad)
+        out, kv = self.attn(self.norm_1(x), rope, kv_cache, input_pos, attn_mask, shared_kv, cells_read,
+                            starts)
         x = x + self.dropout(out)
         return x + self.dropout(self.mlp(self.norm_2(x))), kv
 
@@ -132,16 +133,15 @@ class GPT(CoreGPT):
             return 1, c.mla_latent_dim + c.mla_rope_dim, c.mla_latent_dim
         return c.n_kv_head, c.head_dim, 0
 
-    def forward(self, idx, targets=None, *, kv_cache=None, pad=None, last_only=False):
+    def forward(self, idx, targets=None, *, kv_cache=None, starts=None, last_only=False):
         """idx: (B, T) token ids. Returns logits (B, T, vocab_size), or (logits, loss) with targets;
         with `last_only`, the last position's alone (B, 1, vocab_size), all a prefill needs.
 
         With `kv_cache`, the tokens continue the cached sequence: they take positions
         kv_cache.length .. +T-1, and the cache advances by T (any T: a chunk goes through a ring
-        too). `pad` (B,) counts left-padding tokens per row (batched prompts of different lengths):
-        pads are never attended to and positions start after them. A negative pad is a row that
-        started -pad positions earlier: its positions continue from there (a context cut from a
-        longer sequence, see prefill.prefill).
+        too). `starts` (B,) is the column of each row's position 0: a batch of prompts of different
+        lengths is left-padded by starts[b] tokens, never attended to; a row whose context was cut from
+        a longer sequence (prefill.context_of) starts below 0, its positions continuing from there.
         """
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
@@ -152,7 +152,7 @@ class GPT(CoreGPT):
             raise ValueError(f"{start + T} positions exceed the {'cache' if kv_cache else 'block'} "
                              f"size {limit}")
         input_pos = torch.arange(start, start + T, device=idx.device)
-        logits = self.logits_at(idx, input_pos, kv_cache, pad, start + T, last_only)
+        logits = self.logits_at(idx, input_pos, kv_cache, starts, start + T, last_only)
         if kv_cache is not None:
             kv_cache.advance(T)
         if targets is None:
@@ -190,13 +190,13 @@ class GPT(CoreGPT):
         why = next((why for wrong, why in reasons if wrong), "other windows or sinks than the model's")
         return f"kv_cache does not fit this model: it holds {why} (make it with model.new_kv_cache)"
 
-    def logits_at(self, idx, input_pos, kv_cache=None, pad=None, cells_read=None, last_only=False):
+    def logits_at(self, idx, input_pos, kv_cache=None, starts=None, cells_read=None, last_only=False):
         """Logits for tokens idx (B, T) at positions input_pos (T,); touches no Python state, so a
         decode step built on it compiles to one fixed-shape graph. Attention reads what the cache
         holds of positions 0 .. cells_read - 1, or with None every cell, masked by the position it
         holds (the compiled step's fixed shape)."""
-        masks = self.attention_masks(input_pos, kv_cache, pad, cells_read)  # per layer window
-        positions = input_pos if pad is None else (input_pos - pad[:, None]).clamp(min=0)  # (T,) or (B, T)
+        masks = self.attention_masks(input_pos, kv_cache, starts, cells_read)  # per layer window
+        positions = input_pos if starts is None else (input_pos - starts[:, None]).clamp(min=0)  # (B, T)
         x = self.wte(idx)                                                # (B, T, n_embd)
         rope = None
         if self.wpe is not None:
@@ -209,14 +209,14 @@ class GPT(CoreGPT):
         x = self.drop(x)
         kv = None  # the keys/values of the current group of kv_share layers, from its first
         for block in self.blocks:
-            x, kv = block(x, rope, kv_cache, input_pos, masks[block.attn.window], kv, cells_read, pad)
+            x, kv = block(x, rope, kv_cache, input_pos, masks[block.attn.window], kv, cells_read, starts)
         if last_only:
             x = x[:, -1:]                                                # (B, 1, n_embd)
         logits = self.lm_head(self.norm_f(x))                            # (B, T or 1, rows >= vocab_size)
         vocab = self.config.vocab_size  # (rows past it: pad_head_rows', on CUDA only)
         return logits if logits.size(-1) == vocab else logits[..., :vocab]  # (B, T or 1, vocab_size)
 
-    def attention_masks(self, input_pos, kv_cache=None, pad=None, cells_read=None) -> dict:
+    def attention_masks(self, input_pos, kv_cache=None, starts=None, cells_read=None) -> dict:
         """{window: mask} for each window the layers have (None: the whole context): the mask of the
         keys a layer with that window reads (GroupCache.key_positions), or None where they are positions
         0 .. S-1 in order and no row is padded, which attention's own causal mask covers (and SDPA's
@@ -224,9 +224,10 @@ class GPT(CoreGPT):
         masks, attn_sinks = {}, self.config.attn_sinks
         for window, group in self.window_groups.items():
             key_pos = None if kv_cache is None else kv_cache.groups[group].key_positions(
-                input_pos, cells_read, pad)                                       # (S,), (B, S) or None
-            if key_pos is None and pad is not None:
+                input_pos, cells_read, starts)                                       # (S,), (B, S) or None
+            if key_pos is None and starts is not None:
                 S = input_pos.size(0) if kv_cache is None else cells_read
                 key_pos = torch.arange(S, device=input_pos.device)
-            masks[window] = None if key_pos is None else visible(input_pos, key_pos, window, attn_sinks, pad)
+            masks[window] = None if key_pos is None else visible(input_pos, key_pos, window, attn_sinks,
+                                                                 starts)
         return masks

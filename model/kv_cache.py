@@ -27,14 +27,14 @@ class GroupCache:
     def __init__(self, k: "Stored", v: "Stored | None"):
         self.k, self.v, self.cells = k, v, k.cells
 
-    def update(self, input_pos, k, v=None, cells_read=None, pad=None):
+    def update(self, input_pos, k, v=None, cells_read=None, starts=None):
         """Write k and v (B, heads, T, dim) at positions input_pos (T,) of the first B rows; return
         the K and V attention reads: what was given, into an empty cache (cells_read == T), else the
         first `cells_read` cells (None: every cell, the compiled step's fixed shape)."""
-        keys = self.write(self.k, input_pos, k, cells_read, pad)
-        return keys, keys if self.v is None else self.write(self.v, input_pos, v, cells_read, pad)
+        keys = self.write(self.k, input_pos, k, cells_read, starts)
+        return keys, keys if self.v is None else self.write(self.v, input_pos, v, cells_read, starts)
 
-    def write(self, stored, input_pos, x, cells_read, pad):
+    def write(self, stored, input_pos, x, cells_read, starts):
         """Store x (B, heads, T, dim) at input_pos; return what attention reads of `stored`."""
         parts, new = stored.encode(x)                                    # as kept; as read back
         stored.place(input_pos, parts)                                   # position p in cell p
@@ -43,11 +43,11 @@ class GroupCache:
             return new
         return stored.read(x.size(0), self.cells if cells_read is None else cells_read, T == 1)
 
-    def place(self, stored, input_pos, parts, pad=None) -> None:
+    def place(self, stored, input_pos, parts, starts=None) -> None:
         """Put parts (B, heads, T, .), x as `stored` keeps it (`Stored.encode`), at input_pos."""
         stored.place(input_pos, parts)
 
-    def key_positions(self, input_pos, cells_read, pad=None) -> torch.Tensor | None:
+    def key_positions(self, input_pos, cells_read, starts=None) -> torch.Tensor | None:
         """The position each key attention reads holds, (S,): None where the first `cells_read` cells are
         positions 0 .. cells_read-1 in order (a causal mask describes them); every cell by position when
         cells_read is None."""
@@ -165,30 +165,30 @@ class Ring(GroupCache):
         super().__init__(k, v)
         self.window, self.sinks = window, sinks
 
-    def write(self, stored, input_pos, x, cells_read, pad):
+    def write(self, stored, input_pos, x, cells_read, starts):
         T, old = x.size(2), None
         if self.reads_before_writing(T, cells_read):  # a copy: the chunk overwrites cells of it
             old = stored.read(x.size(0), self.cells)                      # a converted copy, or a view:
             old = old if isinstance(stored, Converted) else old.clone()
         parts, new = stored.encode(x)                                      # as kept; as read back
-        self.place(stored, input_pos, parts, pad)
+        self.place(stored, input_pos, parts, starts)
         if old is not None:
             return torch.cat([old, new], dim=2)                            # (B, heads, cells + T, dim)
         return new if cells_read == T else stored.read(x.size(0), self.cells, T == 1)
 
-    def place(self, stored, input_pos, parts, pad=None) -> None:
+    def place(self, stored, input_pos, parts, starts=None) -> None:
         """The last `window` positions, each in its cell; each row's sinks in theirs."""
         if self.sinks:
-            self.write_sinks(stored, input_pos, parts, pad)
+            self.write_sinks(stored, input_pos, parts, starts)
         at = self.sinks + input_pos[-self.window:] % self.window             # (<= window,) cells
         stored.place(at, [part[:, :, -self.window:] for part in parts])
 
-    def write_sinks(self, stored, input_pos, parts, pad):
-        """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `pad`) in the
+    def write_sinks(self, stored, input_pos, parts, starts):
+        """Keep each row's positions 0 .. sinks-1 (counted from its first token, after `starts`) in the
         first cells, whichever columns they are written at: a fixed-shape `where` per sink."""
         B = parts[0].size(0)
         rows = torch.arange(B, device=input_pos.device)
-        row_pos = (input_pos - (0 if pad is None else pad[:, None])).expand(B, -1)  # (B, T)
+        row_pos = (input_pos - (0 if starts is None else starts[:, None])).expand(B, -1)  # (B, T)
         for s in range(self.sinks):
             at = row_pos == s                                              # (B, T): at most one per row
             t, written = at.int().argmax(dim=1), at.any(dim=1)[:, None, None]  # (B,), (B, 1, 1)
@@ -200,28 +200,28 @@ class Ring(GroupCache):
         chunk overwrites, so attention reads the ring as it was, then the chunk."""
         return T > 1 and cells_read is not None and cells_read > T
 
-    def key_positions(self, input_pos, cells_read, pad=None) -> torch.Tensor | None:
-        """(S,) or (B, S) with `pad`: the T new positions as written into an empty ring (cells_read == T:
+    def key_positions(self, input_pos, cells_read, starts=None) -> torch.Tensor | None:
+        """(S,) or (B, S) with `starts`: the T new positions as written into an empty ring (cells_read == T:
         None), every cell after writing one position, or every cell as it was followed by the T new
         (reads_before_writing). -1 where a cell is to be hidden."""
         T = input_pos.size(0)
         if cells_read == T:
             return None
         if not self.reads_before_writing(T, cells_read):
-            return self.positions(input_pos[-1] + 1, pad)
-        return torch.cat([self.positions(input_pos[0], pad),
-                          input_pos.expand(*(() if pad is None else (pad.size(0),)), T)], dim=-1)
+            return self.positions(input_pos[-1] + 1, starts)
+        return torch.cat([self.positions(input_pos[0], starts),
+                          input_pos.expand(*(() if starts is None else (starts.size(0),)), T)], dim=-1)
 
-    def positions(self, end, pad):
-        """(sinks + window,) or with pad (B, sinks + window): the position each cell holds once
+    def positions(self, end, starts):
+        """(sinks + window,) or with starts (B, sinks + window): the position each cell holds once
         positions 0 .. end-1 (end: a tensor) are written, -1 for a cell not written yet and for a
         ring cell holding a sink position (its sink cell shows it)."""
         last = end - 1
         ring = last - (last - torch.arange(self.window, device=end.device)) % self.window  # (window,)
-        if pad is not None:
-            ring = ring.expand(pad.size(0), self.window)                   # (B, window)
-        row_start = 0 if pad is None else pad[:, None]                     # each row's position 0
-        row_pos = ring - row_start                                         # below 0: a pad
+        if starts is not None:
+            ring = ring.expand(starts.size(0), self.window)                   # (B, window)
+        row_start = 0 if starts is None else starts[:, None]                     # each row's position 0
+        row_pos = ring - row_start                                         # below 0: a starts
         ring = ring.masked_fill((ring < 0) | ((row_pos >= 0) & (row_pos < self.sinks)), -1)
         sinks = row_start + torch.arange(self.sinks, device=end.device)    # (sinks,) or (B, sinks)
         return torch.cat([sinks.masked_fill(sinks > last, -1), ring], dim=-1)
@@ -309,21 +309,21 @@ class KVCache:
         return [(g, name, stored) for g, group in enumerate(self.groups)
                 for name, stored in (("k", group.k), ("v", group.v)) if stored is not None]
 
-    def fill_from(self, prefix: "KVCache", rows: int, pad=None) -> None:
+    def fill_from(self, prefix: "KVCache", rows: int, starts=None) -> None:
         """Every row as if it had been fed positions 0 .. prefix.length - 1, row b's position p at
-        column pad[b] + p: a prompt prefix shared by every row, computed once (in `prefix`, one row
+        column starts[b] + p: a prompt prefix shared by every row, computed once (in `prefix`, one row
         of plain groups stored in this cache's dtype, so that every layer after the first read the
         keys a row alone reads) and copied, as stored, into each of the first `rows`. Columns before
-        a row's pad get its position 0 again, which the mask hides as padding."""
+        a row's starts get its position 0 again, which the mask hides as padding."""
         if prefix.dtype != self.dtype or any(group.ring for group in prefix.groups):
             raise ValueError(f"the prefix must be plain groups stored in {self.dtype}, got {prefix.dtype}")
         n = prefix.length
         columns = torch.arange(n, device=prefix.groups[0].k.tensors[0].device)
-        source = columns if pad is None else (columns - pad[:, None]).clamp(min=0)  # (n,) or (B, n)
-        source = source.expand(rows, n) if pad is None else source               # (B, n)
+        source = columns if starts is None else (columns - starts[:, None]).clamp(min=0)  # (n,) or (B, n)
+        source = source.expand(rows, n) if starts is None else source               # (B, n)
         for (g, _, stored), (_, _, given) in zip(self.stores(), prefix.stores()):
             parts = [t[0, :, :n][:, source].transpose(0, 1) for t in given.tensors]  # (B, heads, n, .)
-            self.groups[g].place(stored, columns, parts, pad)
+            self.groups[g].place(stored, columns, parts, starts)
         self.length = n
 
     def over(self, tensors) -> "KVCache":

@@ -37,7 +37,7 @@ class LatentAttention(CausalSelfAttention):
         self.proj = nn.Linear(config.n_head * hd, config.n_embd, bias=config.bias)
 
     def forward(self, x, rope=None, kv_cache=None, input_pos=None, attn_mask=None, shared_kv=None,
-                cells_read=None, pad=None):
+                cells_read=None, starts=None):
         """As CausalSelfAttention.forward, but what is attended over, returned and cached is [c, k_r]:
         (B, 1, T or max_len, L + R)."""
         B, T, _ = x.shape
@@ -53,7 +53,7 @@ class LatentAttention(CausalSelfAttention):
                 k_rope = apply_rope(k_rope, *rope)
             latent = torch.cat([self.kv_norm(c_raw), k_rope], dim=-1)     # (B, 1, T, L + R)
             if kv_cache is not None:
-                latent, _ = kv_cache.groups[self.kv_group].update(input_pos, latent, None, cells_read, pad)
+                latent, _ = kv_cache.groups[self.kv_group].update(input_pos, latent, None, cells_read, starts)
         else:
             latent = shared_kv
         w_k, w_v = self.kv_up.view(2, self.n_head, hd, L).unbind(0)       # (n_head, hd, L) each

@@ -77,7 +77,7 @@ class DecodeRecorder:
 
     def after_forward(self, model, args, kwargs, output):
         """What this forward pass left: each group's cells, the last query's weights per layer."""
-        T, cache, pad = args[0].size(1), kwargs.get("kv_cache"), kwargs.get("pad")
+        T, cache, starts = args[0].size(1), kwargs.get("kv_cache"), kwargs.get("starts")
         if cache is not None and self.stream_cache not in (None, cache):
             raise ValueError("DecodeRecorder records the forward passes into one cache, but its rows share a "
                              "prompt prefix, computed once in a cache of its own: record the stream with "
@@ -85,15 +85,15 @@ class DecodeRecorder:
         self.stream_cache = self.stream_cache or cache
         end = T if cache is None else cache.length       # columns 0 .. end-1 hold the context
         start = end - T                                   # the columns this forward wrote
-        row_pad = None if pad is None else pad[:1]        # (1,): the first row's
+        first_start = None if starts is None else starts[:1]        # (1,): the first row's
         shift = len(self.tokens) - end                    # column end-1 holds the latest token
         input_pos = torch.arange(start, end, device=args[0].device)  # (T,)
-        groups = [self.held_columns(cache, g, input_pos, end, row_pad)
+        groups = [self.held_columns(cache, g, input_pos, end, first_start)
                   for g in range(1 if cache is None else len(cache.groups))]
         weights = []
         for block in self.model.blocks:
             g = 0 if cache is None else block.attn.kv_group
-            keys = None if cache is None else cache.groups[g].key_positions(input_pos, end, row_pad)
+            keys = None if cache is None else cache.groups[g].key_positions(input_pos, end, first_start)
             w = block.attn.weights[0, :, -1].float().cpu()                  # (n_head, S): the last query's
             keys = torch.arange(w.size(-1)) if keys is None else keys.reshape(-1).cpu()  # (S,) columns
             weights.append(over_cells(w, keys, groups[g]))
@@ -108,20 +108,21 @@ class DecodeRecorder:
             for g, name, stored in cache.stores():
                 errors[g][name == "v"] = None if stored.error is None else float(stored.error)
                 stored.keep_error = False
-        offset = shift + (0 if pad is None else int(pad[0]))  # the token at position 0
+        offset = shift + (0 if starts is None else int(starts[0]))  # the token at position 0
         self.last = dict(shift=shift, offset=offset, start=start, groups=groups, weights=weights,
                          errors=errors)
 
     @staticmethod
-    def held_columns(cache, g, input_pos, end, row_pad) -> torch.Tensor:
+    def held_columns(cache, g, input_pos, end, first_start) -> torch.Tensor:
         """(cells,): the column each cell of group g holds once `end` are written, -1 for none and
-        for the row's padding (its columns before row_pad: no token of its own, the mask hides them);
+        for the row's padding (its columns before first_start: no token of its own, the mask hides them);
         for no cache, the context's columns 0 .. end-1."""
         if cache is None:
             held = torch.arange(end)
         else:
-            held = cache.groups[g].key_positions(input_pos[-1:], None, row_pad).reshape(-1).cpu()  # (cells,)
-        padding = held < (0 if row_pad is None else int(row_pad))  # a negative pad: no column is one
+            held = cache.groups[g].key_positions(input_pos[-1:], None, first_start)
+            held = held.reshape(-1).cpu()                                    # (cells,)
+        padding = held < (0 if first_start is None else int(first_start))  # starts < 0: no column is one
         return held.masked_fill((held >= end) | padding, -1)
 
     def close_step(self, token: int) -> None:

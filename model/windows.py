@@ -9,20 +9,20 @@ import torch
 from model.core.attention import attend
 
 
-def visible(query_pos, key_pos, window=None, attn_sinks=0, pad=None) -> torch.Tensor:
+def visible(query_pos, key_pos, window=None, attn_sinks=0, starts=None) -> torch.Tensor:
     """Which keys a query may attend to: the one rule every mask comes from (training, a prompt's
     prefill, its chunks, the one-token step over any cache). True where the query at query_pos (T,)
     may see the key at key_pos (S,) or (B, S): a written position (-1: a cell that holds none to
     see) at or before it, within `window` of it or one of the row's first `attn_sinks` positions
-    (StreamingLLM's sinks), and not a row's left padding (pad (B,): its position 0 comes after
-    them) unless the query is one too, so that no row is empty (NaN). (T, S), or with pad (B, 1, T, S)."""
+    (StreamingLLM's sinks), and not a row's left padding (starts (B,): the column of its position 0)
+    unless the query is one too, so that no row is empty (NaN). (T, S), or with starts (B, 1, T, S)."""
     key_pos = key_pos[..., None, :]                                  # (1, S) or (B, 1, S)
     distance = query_pos[:, None] - key_pos                          # (T, S) or (B, T, S)
     mask = (distance >= 0) & (key_pos >= 0)
-    row_start = 0 if pad is None else pad[:, None, None]             # (B, 1, 1): each row's position 0
+    row_start = 0 if starts is None else starts[:, None, None]             # (B, 1, 1): each row's position 0
     if window is not None:
         mask = mask & ((distance < window) | (key_pos - row_start < attn_sinks))
-    if pad is None:
+    if starts is None:
         return mask
     is_pad_key = key_pos < row_start                                 # (B, 1, S)
     is_pad_query = query_pos[:, None] < row_start                    # (B, T, 1)

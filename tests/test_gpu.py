@@ -115,7 +115,7 @@ def test_split_kv_attention_on_cuda_equals_the_naive_backend(variant, float32_ma
     cache = model.new_kv_cache(2, dtype=torch.int8 if "int8" in variant else None)
     token, pad = torch.tensor([[3], [4]], device=CUDA), torch.tensor([0, 2], device=CUDA)
     with torch.no_grad():
-        model(torch.randint(1, 37, (2, 5), device=CUDA), kv_cache=cache, pad=pad)
+        model(torch.randint(1, 37, (2, 5), device=CUDA), kv_cache=cache, starts=pad)
         for _ in range(12):
             input_pos, same_cache = torch.tensor([cache.length], device=CUDA), copy.deepcopy(cache)
             with SplitKV(), SDPACalls() as calls:

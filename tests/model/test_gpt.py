@@ -65,7 +65,7 @@ def test_left_padded_rows_equal_unpadded(pos_emb):
     short, long = torch.randint(0, 37, (1, 5)), torch.randint(0, 37, (1, 9))
     batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
     pad = torch.tensor([4, 0])
-    padded = model(batch, pad=pad)
+    padded = model(batch, starts=pad)
     torch.testing.assert_close(padded[0, 4:], model(short)[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(padded[1], model(long)[0], atol=1e-5, rtol=0)
     assert not padded.isnan().any()
