@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from model.config import check_integer, is_real
+from model.core.generate import keep_top
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """What a stream draws: max_new_tokens tokens per row, each greedy at temperature 0, else by
-    softmax sampling restricted to the top_k tokens and to the smallest set whose probability
-    reaches top_p. Checked when made (each message names the option), so never again per call."""
+    """What a stream draws: max_new_tokens tokens per row, greedy at temperature 0, else sampled
+    among the tokens top_k and top_p keep (the core's keep_top). Checked once, when made."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -46,16 +46,7 @@ def sample_next(logits, sampling: Sampling, generator=None):
     logits = logits.float()
     scale = FLOAT32_MAX if temperature * FLOAT32_MAX < 1 else 1 / temperature
     logits = (logits - logits.amax(dim=-1, keepdim=True)) * scale
-    if top_k is not None and top_k < logits.size(-1):  # top_k >= vocab keeps every token
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]             # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, vocab) each
-        probs = F.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens before it already reach top_p.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
+    probs = F.softmax(keep_top(logits, top_k, top_p), dim=-1)
     if isinstance(generator, (list, tuple)):
         return torch.cat([draw(p[None], g) for p, g in zip(probs, generator)])  # (B,)
     return draw(probs, generator)

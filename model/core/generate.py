@@ -7,11 +7,16 @@ import torch.nn.functional as F
 
 def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token id per row of logits (B, vocab): the most likely at temperature 0; else drawn from
-    softmax(logits / temperature), among the top_k most likely and the fewest whose probabilities
-    reach top_p (None: no such limit)."""
+    softmax(logits / temperature), among the tokens `keep_top` keeps."""
     if temperature == 0:
         return logits.argmax(dim=-1)                                     # (B,)
-    logits = logits.float() / temperature
+    probs = F.softmax(keep_top(logits.float() / temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]       # (B,)
+
+
+def keep_top(logits, top_k=None, top_p=None):
+    """logits (B, vocab) with -inf but for the top_k most likely tokens and the fewest whose
+    probabilities reach top_p (None: no such limit)."""
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]           # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -20,8 +25,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
         probs = F.softmax(sorted_logits, dim=-1)
         drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # the tokens before it reach top_p already
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]       # (B,)
+    return logits
 
 
 @torch.no_grad()
