@@ -1,6 +1,6 @@
 """The GPU measurements, in sections that each fit one command of a GPU rental (10 minutes at most),
 every result written to --out the moment it is measured. The plan (the commands in order, with their
-estimates) is in docs/training.md, "On a GPU".
+estimates) is in benchmarks/README.md, "Measuring on a rented GPU".
 
     python benchmarks/gpu.py --section probe                  # what the machine has, and what we get
     python benchmarks/gpu.py --section train --levers speed   # a group of levers, names, or overrides

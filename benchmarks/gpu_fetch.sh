@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run once here, where PyPI answers: what the GPU machine lacks for the plan in docs/training.md
-# ("On a GPU"), into .gpu/ (ignored by git), which every command of the plan carries:
+# Run once here, where PyPI answers: what the GPU machine lacks for the plan in benchmarks/README.md
+# ("Measuring on a rented GPU"), into .gpu/ (ignored by git), which every command of the plan carries:
 #   .gpu/wheels   Hydra, OmegaConf and antlr (Hydra's parser), pinned, pure Python (any Python 3)
 #   .gpu/data     the built-in char corpus, prepared: found there, it needs no `datasets`
 #   .gpu/nanoGPT  with a nanoGPT checkout given (a folder, or a bare git directory), a copy of it with

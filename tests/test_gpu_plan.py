@@ -1,6 +1,7 @@
-"""benchmarks/gpu.py and the GPU plan (docs/training.md, "On a GPU"), on the CPU: every command of the
-plan runs with --smoke on a prepared corpus with `datasets` made unimportable, each measurement is on
-disk when it ends (a killed run keeps them), and a failed measurement is a row while the next runs."""
+"""benchmarks/gpu.py and the GPU plan (benchmarks/README.md, "Measuring on a rented GPU"), on the
+CPU: every command of the plan runs with --smoke on a prepared corpus with `datasets` made
+unimportable, each measurement is on disk when it ends (a killed run keeps them), and a failed
+measurement is a row while the next runs."""
 
 import json
 import os
@@ -41,9 +42,10 @@ finally:
 
 
 def plan_commands() -> list[str]:
-    """The commands of docs/training.md's plan, in order, comments dropped."""
-    text = (ROOT / "docs" / "training.md").read_text()
-    block = re.search(r"```sh\n(.*?)```", text[text.index("## On a GPU"):], flags=re.S).group(1)
+    """The commands of benchmarks/README.md's plan, in order, comments dropped."""
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    plan = text[text.index("## Measuring on a rented GPU"):]
+    block = re.search(r"```sh\n(.*?)```", plan, flags=re.S).group(1)
     return [re.sub(r"\s+#.*$", "", line).strip() for line in block.splitlines() if line.strip()]
 
 
