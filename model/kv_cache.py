@@ -221,7 +221,7 @@ class Ring(GroupCache):
         if starts is not None:
             ring = ring.expand(starts.size(0), self.window)                   # (B, window)
         row_start = 0 if starts is None else starts[:, None]                     # each row's position 0
-        row_pos = ring - row_start                                         # below 0: a starts
+        row_pos = ring - row_start                                         # below 0: padding
         ring = ring.masked_fill((ring < 0) | ((row_pos >= 0) & (row_pos < self.sinks)), -1)
         sinks = row_start + torch.arange(self.sinks, device=end.device)    # (sinks,) or (B, sinks)
         return torch.cat([sinks.masked_fill(sinks > last, -1), ring], dim=-1)

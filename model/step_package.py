@@ -127,7 +127,7 @@ def package_key(model, cache, dynamic: list[bool], weights: bool = True) -> str:
     for part in (repr(model.config), repr(shapes), repr((cache.dtype, cache.compute_dtype)),
                  repr(model.wte.weight.dtype), torch.__version__, torch.backends.cpu.get_cpu_capability()):
         digest.update(part.encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):
+    for source in sorted(Path(__file__).parent.rglob("*.py")):  # model/ and model/core/
         digest.update(source.read_bytes())
     return f"decode-step-{digest.hexdigest()}"
 

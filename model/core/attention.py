@@ -20,8 +20,8 @@ def attend(q, k, v, attn_mask=None, *, is_causal=True, dropout_p=0.0, scale=None
 
     The queries are the last T of S positions (a prompt, or new tokens after a cache's), so the
     causal mask is bottom-right aligned: query i sees keys 0 .. S-T+i. `attn_mask` (bool, True = may
-    attend; or a float added to the scores) broadcasts to (B, n_head, T, S) and is and-ed with it;
-    with is_causal=False it says it all. backend "sdpa" calls PyTorch's fused kernels; "naive" (or
+    attend; or a float added to the scores) broadcasts to (B, n_head, T, S) and joins it; with
+    is_causal=False it says it all. backend "sdpa" calls PyTorch's fused kernels; "naive" (or
     return_weights, which also returns the weights (B, n_head, T, S)) computes the formula itself."""
     for kernel in KERNELS:  # the one point where an extension's faster kernel takes a call
         out = kernel(q, k, v, attn_mask, is_causal, dropout_p, scale, backend, return_weights)
@@ -38,7 +38,10 @@ def attend(q, k, v, attn_mask=None, *, is_causal=True, dropout_p=0.0, scale=None
     mask = attn_mask
     if is_causal and T > 1:  # (a single query, the last, sees every key)
         causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)  # (T, S)
-        mask = causal if mask is None else mask & causal
+        if mask is None or mask.dtype == torch.bool:
+            mask = causal if mask is None else mask & causal
+        else:  # a float mask: -inf where the band hides
+            mask = mask.masked_fill(~causal, float("-inf"))
     if fused and n_rep == 1:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
     if fused:
@@ -50,6 +53,8 @@ def attend(q, k, v, attn_mask=None, *, is_causal=True, dropout_p=0.0, scale=None
             mask = fold_heads(mask, n_kv_head, n_rep, T, S)              # (B or 1, ., n_rep*T, S)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
         return out.reshape(B, n_head, T, d_v)                            # (B, n_head, T, d_v)
+    if backend not in ("sdpa", "naive"):
+        raise ValueError(f"attend: unknown backend {backend!r} (sdpa or naive)")
     # The formula. Broadcasting over the n_rep query heads of a group reads their K/V head once.
     qg = q.view(B, n_kv_head, n_rep, T, d_k)                             # (B, n_kv_head, n_rep, T, d_k)
     scale = 1 / math.sqrt(d_k) if scale is None else scale

@@ -159,3 +159,15 @@ def test_the_full_package_extends_the_core_classes():
     assert issubclass(CausalSelfAttention, core_attention.CausalSelfAttention)
     assert issubclass(LatentAttention, core_attention.CausalSelfAttention)
     assert model.attend is core_attention.attend
+
+
+def test_the_core_attend_takes_a_float_mask_beside_the_causal_band_and_names_a_bad_backend():
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    allowed = torch.rand(3, 5) > 0.3
+    allowed[:, 0] = True                                                 # (no row empty)
+    bias = torch.zeros(3, 5).masked_fill(~allowed, float("-inf"))
+    for backend in ("sdpa", "naive"):
+        torch.testing.assert_close(core_attention.attend(q, k, v, bias, backend=backend),
+                                   core_attention.attend(q, k, v, allowed, backend=backend))
+    with pytest.raises(ValueError, match="backend 'flash'"):
+        core_attention.attend(q, k, v, backend="flash")
