@@ -1,7 +1,7 @@
-"""The one-token decode step, built once for a model and its static KV cache: one class a way of
-building it. Compiled by torch.compile (`CompiledCpuStep`; on CUDA `CompiledGraphStep`), exported
-ahead of time as an AOTInductor package (`AheadOfTimeStep`: an int8 model on a CPU), or captured as
-a CUDA graph that also draws the next token (`CudaGraphStep`); here too, the SDPA kernels a decode uses."""
+"""The core GPT's one-token cached step, compiled once for a model and its static KV cache: one class a
+way of building it. Compiled by torch.compile (`CompiledCpuStep`; on CUDA `CompiledGraphStep`), exported
+ahead of time as an AOTInductor package (`AheadOfTimeStep`: an int8 model on a CPU), or captured as a CUDA
+graph that also draws the next token (`CudaGraphStep`); here too, the SDPA kernels a decode uses."""
 
 import contextlib
 import functools

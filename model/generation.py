@@ -1,8 +1,9 @@
-"""Producing tokens from a GPT: `stream` yields every row's next token, and `generate` returns the
-prompt(s) and their new tokens. What is drawn is a `Sampling` (model/sampling.py); how the tokens are
-computed, a `Decoding`: with the KV cache or without, its dtype, the prefill's chunks and shared
-prefix, a compiled step. A context run into the cache is model/prefill.py's; the compiled step,
-model/decode_step.py's; a checkpoint loaded to decode, model/loading.py's.
+"""The core's `generate` (model/core/generate.py) grown to batches, every cache kind and compiled steps:
+`stream` yields every row's next token, and `generate` returns the prompt(s) and new tokens. What is drawn
+is a `Sampling` (model/sampling.py); how the tokens are computed, a `Decoding`: with the KV cache or
+without, its dtype, the prefill's chunks and shared prefix, a compiled step. A context run into the cache
+is model/prefill.py's; the compiled step, model/decode_step.py's; a checkpoint loaded to decode,
+model/loading.py's.
 
     generate(model, idx, 100, temperature=0.8, top_k=200)    # prompt + 100 new tokens
     for token in stream(model, idx, Sampling(100), Decoding(kv_dtype="int8")): ...  # (B,) each step

@@ -1,6 +1,6 @@
-"""The KV cache: each layer group's keys and values kept across decode steps, so that a new token
-computes only its own. Preallocated, written in place, never grown: shapes never change, and a
-decode step can be compiled.
+"""The full KV cache, what the variants add to the core's plain one (model/core/kv_cache.py): a
+cache per group of layers, rings, storage kinds and rows of different lengths. Preallocated,
+written in place, never grown: shapes never change, and a decode step can be compiled.
 
 Read top to bottom: `GroupCache` is the plain cache of one group of layers (position p in cell p);
 `Stored` is how it keeps K or V. Each extension is a piece of its own, along one of two axes:

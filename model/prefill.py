@@ -1,5 +1,5 @@
-"""Running a context into the KV cache from scratch: a prompt's prefill, and the refill of a full
-cache. A prompt goes in chunks or at once, and a prefix its rows share is computed once."""
+"""What decoding adds to the core's prefill and refill (model/core/generate.py): a context run into
+the KV cache from scratch. A prompt goes in chunks or at once, a prefix its rows share once."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Hugging Face model folders read as our config and weights, without transformers: GPT-2 and the
+"""Hugging Face model folders read as our GPTConfig and weights, without transformers: GPT-2 and the
 Llama family (Llama 3, Mistral, Qwen2, Qwen3).
 
 A folder as `save_pretrained` writes it holds `config.json` and `model.safetensors` (or shards listed

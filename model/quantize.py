@@ -1,5 +1,6 @@
-"""Weight-only int8 quantization for decoding (as in gpt-fast): one scale per output row, activations
-in the model's dtype. A decode step reads every weight once per token: up to 4x fewer bytes than fp32.
+"""Weight-only int8 quantization of the core GPT's Linear layers for decoding (as in gpt-fast): one scale
+per output row, activations in the model's dtype. A decode step reads every weight once per token: up to
+4x fewer bytes than fp32.
 
 Why the padding: the CPU kernel torch._weight_int8pack_mm (PyTorch 2.13) reads the input width K in
 vectors of 8 (AVX2, ARM) or 16 (AVX512) with no remainder loop, and on x86 with aligned loads (x86

@@ -1,4 +1,5 @@
-"""A decode recorded from the inside, for the page `generate.py inspect=page.html` writes. After
+"""A decode recorded from inside the layers and the cache, for the page `generate.py inspect=page.html`
+writes. After
 each forward pass: which position each cache cell holds, where each head attended, and how far an
 int8 cache's numbers are from those it was given."""
 

@@ -1,6 +1,6 @@
-"""How the next token is drawn from a model's logits. A `Sampling` (how many tokens, temperature,
-top-k, top-p) is checked once when made; `sample_next` draws one token per row with it, greedy or
-seeded, in the same numbers on a CPU and inside a CUDA graph."""
+"""The core's sampling (model/core/generate.py), checked once and drawable in a CUDA graph. A `Sampling`
+(how many tokens, temperature, top-k, top-p) is checked once when made; `sample_next` draws one token per
+row with it, greedy or seeded, in the same numbers on a CPU and inside a CUDA graph."""
 
 import dataclasses
 import math

@@ -1,5 +1,6 @@
-"""The compiled decode step's files on disk. Inductor's cache folder is checked before a compile
-writes to it; an int8 model's CPU step is kept there as a package (AOTInductor, its weights frozen in).
+"""The compiled decode step's files on disk (model/decode_step.py's). Inductor's cache folder is checked
+before a compile writes to it; an int8 model's CPU step is kept there as a package (AOTInductor, its
+weights frozen in).
 
 A package is a cache of code we built, not code we trust: its name ends with the SHA-256 of its
 bytes, checked before it is loaded (a damaged library would crash the process), and one that fails
