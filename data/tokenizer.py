@@ -21,6 +21,8 @@ GPT2_VOCAB_SIZE = 50257
 
 class CharTokenizer:
     name = "char"
+    eos_ids = ()  # (a corpus of characters has no end-of-text)
+    chat_template = None
 
     def __init__(self, chars):
         self.chars = list(chars)
@@ -54,10 +56,12 @@ class BPETokenizer:
     """GPT-2's byte-level BPE through tiktoken: 50,257 tokens, <|endoftext|> = 50256."""
 
     name = "bpe"
+    chat_template = None
 
     def __init__(self):
         self.encoding = gpt2_encoding()
         self.eot_token = self.encoding.eot_token
+        self.eos_ids = (self.eot_token,)  # a sample ends at <|endoftext|>
 
     @property
     def vocab_size(self) -> int:
@@ -79,27 +83,37 @@ class HFTokenizer:
     its pre-tokenizer, merges and special tokens as the model was trained with them. encode adds
     what the folder's post-processor adds (Llama 3's <|begin_of_text|>), as transformers'
     tokenizer(text) does. A token's bytes: a byte-level BPE's (GPT-2's alphabet: Llama 3, Qwen,
-    SmolLM2), or a SentencePiece piece's (▁ a space, <0x0A> a byte); an added token's, its text."""
+    SmolLM2), or a SentencePiece piece's (▁ a space, <0x0A> a byte); an added token's, its text.
+    Beside the ids: the folder's end-of-text ids (eos_ids), chat template and special tokens
+    (data.chat). A GGUF file's tokenizer (path a .gguf file) comes from its metadata (data.gguf)."""
 
     name = "hf"
 
     def __init__(self, path):
         from tokenizers import Tokenizer  # (~0.1 s: only when a folder's tokenizer is asked for)
 
+        from data.chat import folder_chat_template, folder_eos_ids
+
         self.path = Path(path)
+        if self.path.suffix.lower() == ".gguf":
+            from data.gguf import gguf_tokenizer
+
+            text, self.chat_template, self.special_tokens, eos_ids = gguf_tokenizer(self.path)
+        else:
+            text, eos_ids = tokenizer_json(self.path), None
+            self.chat_template, self.special_tokens = folder_chat_template(self.path.parent)
         try:
-            self.tokenizer = Tokenizer.from_str(tokenizer_json(self.path))
-        except OSError:
-            raise
+            self.tokenizer = Tokenizer.from_str(text)
         except Exception as e:  # noqa: BLE001  the library's own error for a file it cannot parse
             raise ValueError(f"{self.path} is not a tokenizer.json ({type(e).__name__}: {e})") from e
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_ids = folder_eos_ids(self.path.parent, self.vocab_size) if eos_ids is None else eos_ids
         self.added = {i: t.content for i, t in self.tokenizer.get_added_tokens_decoder().items()}
         self.byte_level = '"ByteLevel"' in json.dumps(json.loads(self.tokenizer.to_str()).get("decoder"))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return self.tokenizer.encode(text).ids
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:  # tokenizers' word for a str Rust cannot hold: one with a lone surrogate
             check_utf8(text)
             raise

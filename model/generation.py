@@ -102,6 +102,8 @@ def check_generation(model, idx, sampling: Sampling, decoding: Decoding, generat
                              f"or a list of them, got {g!r}")
     if decoding.vocab_size is not None:
         check_integer(decoding.vocab_size, "vocab_size", 1, vocab)
+    for i in sampling.eos_ids:
+        check_integer(i, "eos_ids", 0, (decoding.vocab_size or vocab) - 1)
     if (step := decoding.decode_step) is not None:
         if step.model is not model:
             raise ValueError("decode_step must be a CompiledDecodeStep built for this model")
@@ -127,21 +129,27 @@ def left_pad(prompts, device):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, generator=None,
-             **options):
-    """Sample max_new_tokens after the prompt(s), as nanoGPT's `generate`. `idx` is a (B, T)
-    tensor, or a list of 1-D prompts of different lengths. Returns prompt + new tokens: a
-    (B, T + max_new_tokens) tensor, or for a list, a list of 1-D tensors. temperature=0 is
-    greedy. The sampling options make a `Sampling`; `options` (kv_cache, kv_dtype, prefill_chunk,
-    share_prefix, decode_step, vocab_size) a `Decoding`; `generator` is `stream`'s."""
-    sampling, decoding = Sampling(max_new_tokens, temperature, top_k, top_p), Decoding(**options)
+def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, eos_ids=(),
+             generator=None, **options):
+    """Sample max_new_tokens after the prompt(s), as nanoGPT's `generate`; a row ends at the first of
+    `eos_ids` it draws (`tokenizer.eos_ids`). `idx` is a (B, T) tensor, or a list of 1-D prompts of
+    different lengths. Returns prompt + new tokens: a (B, T + n) tensor, n <= max_new_tokens (fewer
+    where every row ended; a row that ended first repeats its eos id), or for a list, a list of 1-D
+    tensors, each up to its eos id. temperature=0 is greedy. The sampling options make a `Sampling`;
+    `options` (kv_cache, kv_dtype, prefill_chunk, share_prefix, decode_step, vocab_size) a
+    `Decoding`; `generator` is `stream`'s."""
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, eos_ids)
+    decoding = Decoding(**options)
     prompts, pad = left_pad(idx, model.wte.weight.device)
     new = list(stream(model, prompts, sampling, decoding, generator=generator, pad=pad))
-    out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + max_new_tokens)
+    out = torch.cat([prompts, *(t[:, None] for t in new)], dim=1)  # (B, T + n)
     if isinstance(idx, torch.Tensor):
         return out
     pads = [0] * len(out) if pad is None else pad.tolist()  # None: the prompts had one length
-    return [row[p:] for row, p in zip(out, pads)]
+    T, eos = prompts.size(1), torch.tensor(sampling.eos_ids, device=out.device)
+    ends = [T + int(torch.isin(row[T:], eos).int().argmax()) + 1 if torch.isin(row[T:], eos).any()
+            else len(row) for row in out]
+    return [row[p:end] for row, p, end in zip(out, pads, ends)]
 
 
 def stream(model, idx, sampling: Sampling, decoding: Decoding | None = None, *, generator=None, pad=None):
@@ -161,31 +169,46 @@ def stream(model, idx, sampling: Sampling, decoding: Decoding | None = None, *, 
 
 @torch.no_grad()
 def drawn(model, idx, sampling: Sampling, decoding: Decoding, generator, starts):
-    """`stream`'s tokens, its arguments checked."""
+    """`stream`'s tokens, its arguments checked: the prompt run into a new cache (or the decode
+    step's), then `decoded`."""
     (B, T), max_new_tokens = idx.shape, sampling.max_new_tokens
-    decode_step, chunk, vocab_size = decoding.decode_step, decoding.prefill_chunk, decoding.vocab_size
     context = TokenBuffer(idx, starts, model.config.context_size or T + max_new_tokens, max_new_tokens)
-    cache = None if decode_step is None else decode_step.cache  # static: its first B rows serve this call
+    cache = None if decoding.decode_step is None else decoding.decode_step.cache  # its first B rows serve
     if decoding.kv_cache and cache is None:
         cells = min(model.config.block_size, T + max_new_tokens)
         cache = model.new_kv_cache(B, cells, dtype=decoding.kv_dtype)
+    # Inference mode (~15% faster a step on a CPU), no cuDNN attention; the tokens, sampled outside it,
+    # are plain tensors to train on. cache_starts (B,): the column of each row's position 0 in the cache.
+    with torch.inference_mode(), CudnnAttentionOff():
+        logits, cache_starts = prefill(model, context.tokens, cache, starts, decoding.prefill_chunk,
+                                       decoding.share_prefix)
+    yield from decoded(model, context, cache, cache_starts, logits, sampling, decoding, generator)
+
+
+def decoded(model, context, cache, cache_starts, logits, sampling: Sampling, decoding: Decoding, generator):
+    """The tokens drawn after `logits` (B, vocab), the prompt's in `context` (a TokenBuffer) and in
+    `cache` (None: each step runs the context from scratch) from columns cache_starts: each fed back
+    one step at a time, a full cache refilled with the recent tokens (`make_room`). A row that drew
+    one of sampling.eos_ids repeats it; the stream ends when every row has."""
+    B, max_new_tokens, vocab_size = context.tokens.size(0), sampling.max_new_tokens, decoding.vocab_size
+    decode_step, chunk = decoding.decode_step, decoding.prefill_chunk
     if cache is not None and cache.quantized:  # its steps' kernel, one for the sample (one_query_kernel)
-        may_compile = compiling_pays(cache, T, max_new_tokens - 1, model.config.n_layer)
+        may_compile = compiling_pays(cache, context.filled, max_new_tokens - 1, model.config.n_layer)
         for _, _, stored in cache.stores():
             stored.may_compile = may_compile
     step = decode_step or eager_step(model)
     # On CUDA the decode step draws the next token itself, inside its CUDA graph (None where it cannot).
     step_draws = decode_step.sampler(sampling, vocab_size, generator, B) if decode_step is not None else None
-
-    # cache_starts (B,): the column of each row's position 0 in the cache. Inference mode (~15% faster
-    # a step on a CPU), no cuDNN attention; the tokens, sampled outside it, are plain tensors to train on.
+    eos = torch.tensor(sampling.eos_ids, device=logits.device) if sampling.eos_ids else None
+    ended = torch.zeros(B, dtype=torch.bool, device=logits.device)       # (B,) rows that drew an eos id
     no_cudnn = CudnnAttentionOff()
-    with torch.inference_mode(), no_cudnn:
-        logits, cache_starts = prefill(model, context.tokens, cache, starts, chunk, decoding.share_prefix)
     token = sample_next(logits[:, :vocab_size], sampling, generator) if max_new_tokens else None  # (B,)
     for i in range(max_new_tokens):
+        if eos is not None:
+            token = torch.where(ended, context.tokens[:, -1], token) if i else token  # ended: its eos again
+            ended |= torch.isin(token, eos)
         yield token
-        if i == max_new_tokens - 1:
+        if i == max_new_tokens - 1 or eos is not None and bool(ended.all()):
             break
         context.append(token)
         with torch.inference_mode(), no_cudnn:

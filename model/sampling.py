@@ -17,12 +17,15 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """What a stream draws: max_new_tokens tokens per row, greedy at temperature 0, else sampled
-    among the tokens top_k and top_p keep (the core's keep_top). Checked once, when made."""
+    among the tokens top_k and top_p keep (the core's keep_top); a row ends at the first of eos_ids
+    it draws (a tokenizer's end-of-text ids: `tokenizer.eos_ids`), which it repeats while other rows
+    go on. Checked once, when made (eos_ids made a tuple)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_integer(self.max_new_tokens, "max_new_tokens", 0)
@@ -32,6 +35,12 @@ class Sampling:
             check_integer(self.top_k, "top_k", 1)
         if self.top_p is not None and (not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        ids = [self.eos_ids] if isinstance(self.eos_ids, int) else self.eos_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"eos_ids must be token ids (a list, or one id), got {self.eos_ids!r}")
+        for i in ids:
+            check_integer(i, "eos_ids", 0)
+        object.__setattr__(self, "eos_ids", tuple(int(i) for i in ids))
 
 
 def sample_next(logits, sampling: Sampling, generator=None):

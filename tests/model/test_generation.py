@@ -291,3 +291,37 @@ def test_no_new_tokens_draw_nothing():
     state = generator.get_state()
     out = generate(tiny_model(), torch.tensor([[1, 2]]), 0, generator=generator)
     assert torch.equal(out, torch.tensor([[1, 2]])) and torch.equal(generator.get_state(), state)
+
+
+@pytest.mark.parametrize("how", ["cached", "uncached", "compiled"])
+def test_each_row_ends_at_its_first_end_of_text_id_as_it_would_alone(how):
+    """Rows sampled with a generator each, left-padded prompts: with eos_ids, each row's tokens are
+    those it draws without them up to its first eos id, then that id again; the stream ends once
+    every row has drawn one; generate's list form cuts each row after its eos id."""
+    model = tiny_model(pos_emb="rope", block_size=64)
+    prompts, new = [[1, 2, 3], [4, 5], [6, 7, 8, 9]], 30
+    options = {"kv_cache": how != "uncached"}
+    if how == "compiled":
+        options["decode_step"] = CompiledDecodeStep(model, batch_size=3, backend="aot_eager", max_len=64)
+    seeds = lambda: [torch.Generator().manual_seed(s) for s in range(3)]  # noqa: E731
+    free = generate(model, prompts, new, temperature=1.0, generator=seeds(), **options)
+    news = [row[len(p):].tolist() for row, p in zip(free, prompts)]
+    eos = [news[0][4], news[1][9]]  # (row 0 ends by its 5th token at the latest, row 1 by its 10th)
+    ended = generate(model, prompts, new, temperature=1.0, eos_ids=eos, generator=seeds(), **options)
+    ends = [next((i + 1 for i, t in enumerate(row) if t in eos), new) for row in news]
+    for prompt, row, alone, end in zip(prompts, ended, news, ends):
+        assert row[len(prompt):].tolist() == alone[:end]
+    idx = torch.tensor([[0, 1, 2, 3], [0, 0, 4, 5], [6, 7, 8, 9]])
+    tokens = list(stream(model, idx, Sampling(new, 1.0, eos_ids=eos), pad=torch.tensor([1, 2, 0]),
+                         generator=seeds()) if how == "cached" else [])
+    if tokens:
+        assert len(tokens) == max(ends)
+        for row, end in enumerate(ends):
+            assert [int(t[row]) for t in tokens[end - 1:]] == [news[row][end - 1]] * (len(tokens) - end + 1)
+
+
+def test_a_row_that_draws_no_end_of_text_id_runs_to_max_new_tokens():
+    model = tiny_model()
+    free = generate(model, torch.tensor([[1, 2]]), 12, temperature=0)
+    unused = next(i for i in range(37) if i not in free[0, 2:].tolist())
+    assert torch.equal(generate(model, torch.tensor([[1, 2]]), 12, temperature=0, eos_ids=unused), free)

@@ -1,0 +1,89 @@
+"""What a chat adds to generation (model/generation.py): one KV cache kept from turn to turn, so that
+each turn prefills only the tokens the conversation added since the last.
+
+    chat = Conversation(model, cells=4096)
+    for token in chat.reply(ids, Sampling(200, temperature=0, eos_ids=tokenizer.eos_ids)): ...
+    chat.reused, chat.prefilled        # this turn's tokens found in the cache, and those run into it
+
+`reply` takes the whole conversation's ids each turn (a chat template renders it afresh). The
+cache keeps the longest prefix it shares with what the cache holds; a template that renders
+earlier turns otherwise only shortens that prefix, so the tokens are those of the whole
+conversation prefilled afresh. A ring (a sliding window) never cuts back: there a turn that does
+not extend the cache refills it from the start.
+"""
+
+import torch
+
+from model.config import check_integer
+from model.decode_step import CudnnAttentionOff
+from model.generation import Decoding, TokenBuffer, decoded
+from model.prefill import feed
+from model.sampling import Sampling
+
+
+class Conversation:
+    """A chat's KV cache of `cells` positions (at most block_size; the decode step's own, where
+    `decoding` has one) and the tokens it holds, one row. A turn's ids and its new tokens must fit
+    in it (`room`): the caller drops old turns first."""
+
+    def __init__(self, model, decoding: Decoding | None = None, cells: int | None = None):
+        self.model, self.decoding = model, Decoding() if decoding is None else decoding
+        if not self.decoding.kv_cache:
+            raise ValueError("a Conversation keeps its KV cache from turn to turn: kv_cache must be True")
+        step = self.decoding.decode_step
+        if step is not None:
+            self.cache = step.cache
+        else:
+            cells = model.config.block_size if cells is None else cells
+            check_integer(cells, "cells", 2, model.config.block_size)
+            self.cache = model.new_kv_cache(1, cells, dtype=self.decoding.kv_dtype)
+        self.rings = any(group.ring for group in self.cache.groups)
+        self.held: list[int] = []  # the tokens in the cache, position p's at p
+        self.reused = self.prefilled = 0
+
+    @property
+    def room(self) -> int:
+        """The positions a turn's ids and its new tokens may take together (endless with only rings)."""
+        return self.model.config.block_size if self.cache.ring else self.cache.max_len
+
+    def reply(self, ids, sampling: Sampling, generator=None):
+        """Yield the answer's tokens, (1,) each, to the conversation `ids` (a list of token ids: every
+        turn so far, the assistant's opened), as `sampling` draws them. Checked here, when called."""
+        vocab = self.model.config.vocab_size
+        if not ids or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+            raise ValueError(f"ids must be a non-empty list of token ids below {vocab}")
+        if len(ids) + sampling.max_new_tokens > self.room:
+            raise ValueError(f"{len(ids)} tokens of conversation + max_new_tokens={sampling.max_new_tokens} "
+                             f"exceed the chat's cache of {self.room} positions: drop old turns")
+        return self.answer(list(ids), sampling, generator)
+
+    @torch.no_grad()
+    def answer(self, ids: list[int], sampling: Sampling, generator):
+        """`reply`'s tokens: the cache cut back to the prefix it shares with ids, the rest fed, then
+        `decoded`; what the cache holds is noted however the caller stops reading."""
+        keep = shared_length(self.held, ids)
+        if self.rings and keep < self.cache.length:
+            keep = 0  # (a ring's earlier cells are overwritten: refilled from the start)
+        self.cache.length = keep
+        self.reused, self.prefilled = keep, len(ids) - keep
+        idx = torch.tensor([ids], device=self.model.wte.weight.device)     # (1, T)
+        with torch.inference_mode(), CudnnAttentionOff():
+            logits = feed(self.model, idx[:, keep:], self.cache, None, self.decoding.prefill_chunk)
+        self.held = ids
+        context = TokenBuffer(idx, None, len(ids) + sampling.max_new_tokens, sampling.max_new_tokens)
+        try:
+            yield from decoded(self.model, context, self.cache, None, logits, sampling, self.decoding,
+                               generator)
+        finally:  # every token in the context was fed into the cache
+            self.held = context.tokens[0].tolist()
+
+
+def shared_length(held: list[int], ids: list[int]) -> int:
+    """How many first tokens `ids` shares with `held`, at most all but its last (whose logits the turn
+    needs, so it runs again)."""
+    n = 0
+    for a, b in zip(held, ids[:-1]):
+        if a != b:
+            break
+        n += 1
+    return n
