@@ -6,6 +6,8 @@
     python generate.py ckpt=... benchmark=true      # tokens/s with and without the cache
     python generate.py ckpt=... attn_plot=attn.png  # the prompt's attention heatmaps
     python generate.py ckpt=... inspect=decode.html # a page: the cache and attention, step by step
+    python generate.py ckpt=<HF folder or .gguf> chat="What is the capital of France?"  # its chat format
+    python generate.py ckpt=<HF folder or .gguf> chat=- # a chat on standard input, its KV cache kept
 
 `GenerateConfig` is the schema of configs/generate.yaml; `sample(cfg)` does the work and is
 callable from Python; `main` is the Hydra wrapper.
@@ -34,8 +36,10 @@ from cli.configs import CONFIGS, composed_jobs, config_object, quote_literal_opt
 from cli.errors import exit_on_user_error, naming
 from cli.page import write_inspect_page
 from cli.report import meta_cache, print_benchmark, save_attention_plot
+from cli.samples import CHAT_CELLS, chat, first_messages, print_samples
+from data.chat import chat_ids
 from data.prepare import read_text_files
-from data.tokenizer import TextStream, check_utf8, tokenizer_from_meta
+from data.tokenizer import check_utf8, tokenizer_from_meta
 from model.checkpoint import latest_run
 from model.config import check_integer, check_integer_fields
 from model.decode_step import CompiledDecodeStep
@@ -64,6 +68,10 @@ class GenerateConfig:
     top_k: int | None = 200
     top_p: float | None = None
     stop: str | None = None        # a string that ends a sample
+    ignore_eos: bool = False       # go on past the model's end-of-text tokens (tokenizer.eos_ids)
+    chat: str | None = None        # a user's message in the model's chat template; -: a chat on stdin
+    system: str | None = None      # the chat's system message
+    show_cache: bool = False       # a chat prints each turn's tokens reused from the cache and prefilled
     seed: int = 1337               # sample j of each prompt draws from seed + j
     kv_cache: bool = True
     kv_dtype: str | None = None    # float32 | bfloat16 | int8 (per-position scales); None: the decode dtype
@@ -89,6 +97,7 @@ class GenerateConfig:
             raise ValueError(f"prompt and prompt_file={self.prompt_file} both give the prompts: give one")
         if self.prompt == "":
             raise ValueError("the prompt is empty: give at least one character, e.g. prompt='\\n'")
+        self.check_chat()
         if self.prompt is None and self.prompt_file is None:
             self.prompt = "\n"
         if self.stop == "":
@@ -111,6 +120,30 @@ class GenerateConfig:
             check_output_file(self.attn_plot, "attn_plot")
         if self.inspect is not None:
             self.check_inspect()
+
+    def check_chat(self) -> None:
+        """chat=<message> gives the prompt in the model's chat template (with `system`); chat=- reads
+        a chat's turns from standard input: one row, no benchmark or page."""
+        given = [name for name in ("prompt", "prompt_file") if getattr(self, name) is not None]
+        if self.chat is None:
+            if self.system is not None or self.show_cache:
+                option = "system" if self.system is not None else "show_cache"
+                raise ValueError(f"{option} is for a chat: give chat=<message> (or chat=- for a chat on "
+                                 f"standard input) too")
+            return
+        if not self.chat.strip() or self.system is not None and not self.system.strip():
+            raise ValueError(f"{'chat' if not self.chat.strip() else 'system'} is empty: give the message")
+        if given:
+            raise ValueError(f"chat and {given[0]} both give the prompt: give one")
+        if self.chat == "-":
+            for clash, what in ((self.num_samples > 1, "num_samples=1"), (self.benchmark, "benchmark=false"),
+                                (self.inspect, "inspect out"), (self.attn_plot, "attn_plot out"),
+                                (not self.kv_cache, "kv_cache=true (it keeps the cache from turn to turn)")):
+                if clash:
+                    raise ValueError(f"chat=- is a chat on standard input: leave {what}")
+        elif self.show_cache:
+            raise ValueError("show_cache is for a chat on standard input: give chat=-")
+        self.prompt = ""  # (the chat template gives the tokens; nothing is printed before the answer)
 
     def check_inspect(self) -> None:
         """inspect=<file.html> records one eager decode: a writable .html file, one sample."""
@@ -138,7 +171,8 @@ class GenerateConfig:
 
 ConfigStore.instance().store(name="generate_schema", node=GenerateConfig)
 
-LITERAL_OPTIONS = ("prompt", "stop")  # free text: taken as typed, not parsed by Hydra's grammar
+# Free text: taken as typed, not parsed by Hydra's grammar.
+LITERAL_OPTIONS = ("prompt", "stop", "chat", "system")
 
 
 def check_output_file(path: str, option: str) -> None:
@@ -173,8 +207,12 @@ def read_prompts(cfg: GenerateConfig) -> list[str]:
 
 
 def encode_prompts(tokenizer, prompts: list[str], cfg: GenerateConfig) -> list[list[int]]:
-    """Each prompt's token ids, one or more: a prompt the tokenizer cannot take (a character a char
-    model lacks; a newline, the prompt when none is given, included) names its option."""
+    """Each prompt's token ids, one or more (chat=<message>: the conversation's, in the model's chat
+    template): a prompt the tokenizer cannot take (a character a char model lacks; a newline, the
+    prompt when none is given, included) names its option."""
+    if cfg.chat is not None:
+        with naming("chat"):
+            return [chat_ids(tokenizer, first_messages(cfg.system, cfg.chat))]
     option, encoded = "prompt" if cfg.prompt_file is None else "prompt_file", []
     for prompt in prompts:
         try:
@@ -231,15 +269,16 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     if model.config.vocab_size < tokenizer.vocab_size:
         raise ValueError(f"ckpt={source}: its model has {model.config.vocab_size} token ids, fewer than its "
                          f"{tokenizer.name} tokenizer's {tokenizer.vocab_size}: a mismatched checkpoint")
+    sampling = dataclasses.replace(cfg.sampling, eos_ids=() if cfg.ignore_eos else tokenizer.eos_ids)
+    if cfg.chat == "-":
+        return chat_on_stdin(cfg, model, tokenizer, sampling, device, out)
     encoded = encode_prompts(tokenizer, lines, cfg)
     positions = cache_positions(model.config, max(map(len, encoded)), cfg.max_new_tokens)
     check_batch_fits(model, len(lines) * cfg.num_samples, positions, cfg)
     prompts, encoded = ([x for x in xs for _ in range(cfg.num_samples)] for xs in (lines, encoded))
     kv_dtype = cfg.decoding.kv_dtype  # (the torch dtype the cache stores in; None: the decode dtype)
     backend, t0 = cfg.step_backend(device), time.perf_counter()
-    with naming("compile"):  # (inductor's cache folder: full, read-only, ...)
-        decode_step = None if backend is None else CompiledDecodeStep(model, len(prompts), kv_dtype, backend,
-                                                                      max_len=positions)
+    decode_step = compiled_step(model, len(prompts), kv_dtype, backend, positions)
     if cfg.benchmark:
         built_s = time.perf_counter() - t0
         decoding = Decoding(kv_dtype=kv_dtype, decode_step=decode_step)  # with and without the cache
@@ -256,12 +295,12 @@ def sample(cfg: GenerateConfig, out=None) -> list[str]:
     generators = [torch.Generator(device=device).manual_seed(cfg.seed + i % cfg.num_samples)
                   for i in range(len(prompts))]
     decoding = dataclasses.replace(cfg.decoding, decode_step=decode_step, vocab_size=tokenizer.vocab_size)
-    tokens = stream(model, idx, cfg.sampling, decoding, generator=generators, pad=pad)
+    tokens = stream(model, idx, sampling, decoding, generator=generators, pad=pad)
     if cfg.attn_plot:  # once the sample is checked (stream)
         save_attention_plot(model, encoded[0], tokenizer, cfg.attn_plot, cfg.attn_layer, out)
     with DecodeRecorder(model, encoded[0]) if cfg.inspect else nullcontext() as recorder:
         tokens = recorder.watch(tokens) if recorder else tokens
-        texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out)
+        texts = print_samples(prompts, tokens, tokenizer, cfg.stop, out, sampling.eos_ids)
     if recorder:
         pieces = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in recorder.tokens]
         with naming("inspect"):
@@ -280,38 +319,22 @@ def check_inspect_fits(model, prompt: list[int], cfg: GenerateConfig) -> None:
                          f"lower max_new_tokens")
 
 
-def print_samples(prompts: list[str], tokens, tokenizer, stop: str | None, out) -> list[str]:
-    """Decode each row's new tokens (`stream`'s steps) up to and including `stop`; print a single
-    sample as it grows, several once done. Returns each sample's new text."""
-    streams = [TextStream(tokenizer) for _ in prompts]
-    texts, done = [""] * len(prompts), [False] * len(prompts)
-    streaming = len(prompts) == 1
-    if streaming:
-        print(prompts[0], end="", file=out, flush=True)
+def compiled_step(model, rows: int, kv_dtype, backend: str | None, positions: int):
+    """The compiled one-token step `backend` builds for `rows` rows and a cache of `positions`, or None."""
+    with naming("compile"):  # (inductor's cache folder: full, read-only, ...)
+        return None if backend is None else CompiledDecodeStep(model, rows, kv_dtype, backend,
+                                                               max_len=positions)
 
-    def extend(row: int, piece: str) -> None:
-        text = texts[row] + piece
-        if stop and (at := text.find(stop, max(0, len(texts[row]) - len(stop) + 1))) >= 0:
-            text, done[row] = text[:at + len(stop)], True
-        if streaming:
-            print(text[len(texts[row]):], end="", file=out, flush=True)
-        texts[row] = text
 
-    for step_tokens in tokens:
-        for row, token in enumerate(step_tokens.tolist()):
-            if not done[row]:
-                extend(row, streams[row].add(token))
-        if all(done):
-            break
-    for row in range(len(prompts)):
-        if not done[row]:
-            extend(row, streams[row].end())
-    if streaming:
-        print(file=out)
-    else:
-        for i, (prompt, text) in enumerate(zip(prompts, texts)):
-            print(f"{'=' * 20} sample {i + 1}/{len(prompts)} {'=' * 20}\n{prompt}{text}", file=out)
-    return texts
+def chat_on_stdin(cfg: GenerateConfig, model, tokenizer, sampling, device, out) -> list[str]:
+    """chat=-: a chat on standard input (cli.samples.chat), its cache kept from turn to turn."""
+    positions = min(model.config.block_size, CHAT_CELLS)
+    check_batch_fits(model, 1, positions, cfg)
+    decode_step = compiled_step(model, 1, cfg.decoding.kv_dtype, cfg.step_backend(device), positions)
+    decoding = dataclasses.replace(cfg.decoding, decode_step=decode_step, vocab_size=tokenizer.vocab_size)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    return chat(model, tokenizer, sampling, decoding, generator, cfg.system, cfg.stop, cfg.show_cache,
+                out=out)
 
 
 @hydra.main(config_path="configs", config_name="generate", version_base="1.3")

@@ -66,18 +66,25 @@ class Precision:
         if self.quantize not in (None, "auto", "int8"):
             raise ValueError(f"quantize must be null, auto or int8, got {self.quantize!r}")
 
-    def on(self, device: torch.device, n_params: int = 0) -> tuple[str, str | None]:
-        """(dtype, quantize) to decode a model of n_params parameters in on `device`. auto picks the
-        fastest precision whose val loss stays within 0.01 of float32's (benchmarks/decode.py
-        measures both): on a CPU int8 weights with bfloat16 activations from INT8_FROM_PARAMS
-        parameters, float32 below; on CUDA bfloat16; on MPS float32 (int8 weights are refused on
-        both). dtype=float32 is the exact path: quantize=auto then stays off. int8 runs with bfloat16
-        activations on a CPU (the kernel's vectorised path)."""
+    def on(self, device: torch.device, n_params: int = 0,
+           own_dtype: str | None = None) -> tuple[str, str | None]:
+        """(dtype, quantize) to decode a model of n_params parameters in on `device`. A pretrained
+        model (`own_dtype`: the dtype its folder declares) keeps its own answers: auto is its
+        bfloat16 on CUDA, float32 elsewhere (a CPU without bfloat16 products, MPS), never int8
+        weights; those, and an int8 cache, only when asked. A model of ours: auto picks the fastest
+        precision whose val loss stays within 0.01 of float32's (benchmarks/decode.py measures both):
+        on a CPU int8 weights with bfloat16 activations from INT8_FROM_PARAMS parameters, float32
+        below; on CUDA bfloat16; on MPS float32. dtype=float32 is the exact path: quantize=auto then
+        stays off. int8 weights are for CPUs, with bfloat16 activations (the kernel's vectorised path)."""
         dtype, quantize = self.dtype, self.quantize
         if quantize == "int8" and device.type != "cpu":
             raise ValueError(f"quantize=int8 is for CPUs, not {device.type} (its int8 kernel is measured "
                              f"only there; on CUDA PyTorch runs it with a slow reference kernel): use "
                              f"quantize=null")
+        if own_dtype is not None:
+            quantize = None if quantize == "auto" else quantize
+            if dtype == "auto" and quantize != "int8":
+                dtype = "bfloat16" if device.type == "cuda" and own_dtype == "bfloat16" else "float32"
         if quantize == "auto":
             big = n_params >= INT8_FROM_PARAMS
             quantize = "int8" if device.type == "cpu" and dtype in ("auto", "bfloat16") and big else None

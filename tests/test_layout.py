@@ -61,7 +61,7 @@ def test_model_code_is_at_most_30_percent_comments_and_docstrings(path):
 # import each other), and the library (model, data, training) never imports the command line.
 LAYERS = {"model": 0, "data": 0, "training": 1, "cli": 2, "train": 3, "generate": 3, "benchmarks": 4}
 # What a package may import from outside the project (the standard library aside).
-MODEL_PACKAGES = {"torch", "safetensors"}
+MODEL_PACKAGES = {"torch", "safetensors", "gguf", "numpy"}  # (gguf and numpy: read_gguf's, when called)
 
 
 def project_files() -> dict[str, Path]:
@@ -96,7 +96,7 @@ def test_each_layer_imports_only_downwards():
     assert not wrong
 
 
-def test_model_imports_only_torch_safetensors_and_itself():
+def test_model_imports_only_torch_its_file_readers_and_itself():
     stdlib = sys.stdlib_module_names
     outside = {f"{name}: {m}" for name, path in project_files().items() if name.split(".")[0] == "model"
                for m in imports_of(path) if m.split(".")[0] not in {*stdlib, *MODEL_PACKAGES, "model"}}
@@ -138,8 +138,9 @@ def test_the_imports_have_no_circle():
 # its public face, sits on top). A new file takes its place here, which is where a reader finds
 # the order to read them in.
 MODEL_ORDER = ["core", "config", "device", "kv_cache", "quantize", "windows", "kernels", "attention",
-               "latent", "rope", "pretrained", "gpt", "checkpoint", "convert", "loading", "sampling",
-               "prefill", "step_package", "decode_step", "recorder", "generation", "timing", "__init__"]
+               "latent", "rope", "pretrained", "gpt", "gguf", "checkpoint", "convert", "loading", "sampling",
+               "prefill", "step_package", "decode_step", "recorder", "generation", "conversation", "timing",
+               "__init__"]
 MODEL_FILES = sorted((ROOT / "model").glob("*.py"))
 
 

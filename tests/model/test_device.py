@@ -36,6 +36,33 @@ def test_precision_auto_picks_by_device_and_size_and_keeps_what_is_typed(
     assert Precision(dtype, quantize).on(torch.device(device), n_params) == expected
 
 
+@pytest.mark.parametrize("device,dtype,quantize,own,expected", [
+    ("cpu", "auto", "auto", "bfloat16", ("float32", None)),   # a real model's own answers: no lossy flag
+    ("cpu", "auto", "auto", "float32", ("float32", None)),
+    ("cuda", "auto", "auto", "bfloat16", ("bfloat16", None)),  # its own dtype where the device runs it well
+    ("cuda", "auto", "auto", "float16", ("float32", None)),
+    ("cuda", "auto", "auto", "float32", ("float32", None)),
+    ("mps", "auto", "auto", "bfloat16", ("float32", None)),
+    ("cpu", "auto", "int8", "bfloat16", ("bfloat16", "int8")),  # lossy when asked: as for ours
+    ("cpu", "bfloat16", "auto", "float32", ("bfloat16", None)),
+])
+def test_a_pretrained_model_decodes_in_its_own_precision_unless_asked(device, dtype, quantize, own, expected):
+    assert Precision(dtype, quantize).on(torch.device(device), 135_000_000, own) == expected
+
+
+def test_a_bfloat16_hugging_face_folder_loads_in_float32_on_a_cpu(hf_folders, tmp_path):
+    import json
+    import shutil
+
+    from model.loading import load_model
+
+    shutil.copytree(hf_folders["qwen3"][0], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config | {"dtype": "bfloat16"}))
+    assert load_model(tmp_path / "m", "cpu")[0].wte.weight.dtype == torch.float32
+    assert load_model(tmp_path / "m", "cpu", Precision("bfloat16"))[0].wte.weight.dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("device,dtype,quantize,message", [
     ("cpu", "float16", "auto", "dtype must be one of auto"),
     ("cpu", "auto", "int4", "quantize must be null, auto or int8"),
