@@ -455,13 +455,14 @@ def test_a_chat_past_its_cache_drops_old_turns_or_says_what_to_do(chat_folder, m
     alone does not fit is refused in one line, and the chat goes on."""
     path, _ = chat_folder
     long = "ROMEO: " * 20
-    monkeypatch.setattr("sys.stdin", io.StringIO(f"Who art thou?\nAnd whence?\nWhy?\nWhat?\n{long}\nAnd now?\n"))
+    turns = f"Who art thou?\nAnd whence?\nWhy?\nWhat?\n{long}\nAnd now?\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(turns))
     result = generate_cli(f"ckpt={path}", "chat=-", "temperature=0", "max_new_tokens=30", "ignore_eos=true")
     assert result.returncode == 0, result.stderr
     assert "chat: the conversation outgrew the cache: its oldest turn is dropped" in result.stderr
     assert "chat: this message and max_new_tokens=30 do not fit in the chat's cache of 96 positions: " \
            "write a shorter one, or lower max_new_tokens" in result.stderr
-    assert all(line.startswith("chat: ") for line in result.stderr.splitlines())  # (each a line, no traceback)
+    assert all(line.startswith("chat: ") for line in result.stderr.splitlines())  # (no traceback)
 
 
 @pytest.mark.parametrize("args, message", [
