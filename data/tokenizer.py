@@ -268,6 +268,8 @@ def is_gpt2_bpe(file: Path) -> bool:
     space, no token added to a text, no dropout, <|endoftext|> its one special token). Then our
     shipped ranks are the same tokenizer (tokenizer_json: a GPT-2's vocab.json and merges.txt
     too). Anything else, or a file it cannot read, is not."""
+    if Path(file).suffix.lower() == ".gguf":  # (a GGUF file's tokenizer: not read as a tokenizer.json)
+        return False
     try:
         tokenizer = json.loads(tokenizer_json(file))
         model, pre = tokenizer["model"], tokenizer["pre_tokenizer"]

@@ -201,6 +201,75 @@ def shakespeare_tokenizer(bos: bool = False) -> str:
     return tokenizer.to_str()
 
 
+# transformers' Llama names: llama.cpp's (gguf's TensorNameMap), outside the layers and in them
+LLAMA_CPP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}
+
+
+def permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf.py's LlamaModel.permute: a head's rows i, i + d/2 to 2i, 2i + 1."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_file(file, hf, types=None, meta=(), tensors=(), arch="llama"):
+    """transformers' Llama `hf` as a GGUF file, as llama.cpp's convert_hf_to_gguf.py writes one: its
+    config as llama.cpp's metadata (and `meta`'s keys: numbers, strings, lists), its weights renamed,
+    q and k permuted, each matrix of the next of `types` (default F32; vectors F32); `tensors`
+    replaces ({name: (array, type)}: uint8 arrays are raw blocks) or drops ({name: None}) tensors."""
+    import gguf
+    import numpy as np
+
+    Q = gguf.GGMLQuantizationType
+    types, c = types or (Q.F32,), hf.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(file), arch)
+    sizes = {"context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
+             "block_count": c.num_hidden_layers, "feed_forward_length": c.intermediate_size,
+             "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
+             "vocab_size": c.vocab_size, "rope.dimension_count": head_dim,
+             "attention.key_length": head_dim, "attention.value_length": head_dim,
+             "attention.layer_norm_rms_epsilon": c.rms_norm_eps,
+             "rope.freq_base": c.rope_parameters["rope_theta"]}
+    for key, value in ({f"{arch}.{key}": value for key, value in sizes.items()} | dict(meta)).items():
+        kind = {int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32}.get(type(value))
+        items = gguf.GGUFValueType.get_type(value[0]) if isinstance(value, list) else None
+        writer.add_key_value(key, value, kind or gguf.GGUFValueType.get_type(value), sub_type=items)
+    weights = {}
+    for i, (name, p) in enumerate(hf.state_dict().items()):
+        stem = name.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            _, _, layer, rest = stem.split(".", 3)
+            stem = f"blk.{layer}.{LLAMA_CPP[rest]}"
+        heads = {"attn_q": c.num_attention_heads, "attn_k": c.num_key_value_heads}.get(stem.split(".")[-1])
+        w = permute(p.numpy(), heads) if heads else p.numpy()
+        weights[f"{LLAMA_CPP.get(stem, stem)}.weight"] = (w, Q.F32 if w.ndim == 1 else types[i % len(types)])
+    for name, entry in (weights | dict(tensors)).items():
+        if entry is not None:
+            w, qtype = entry
+            blocks = w if w.dtype == np.uint8 else gguf.quants.quantize(w, qtype)
+            writer.add_tensor(name, blocks, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return file
+
+def gguf_tokenizer_keys(chat_template: str | None = None) -> dict:
+    """shakespeare_tokenizer() as a GGUF file's metadata (llama.cpp's keys): a byte-level BPE split as
+    GPT-2 splits, <|endoftext|> its control token, BOS and EOS; and a chat template, if given."""
+    model = json.loads(shakespeare_tokenizer())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    eot = tokens.index("<|endoftext|>")
+    keys = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in model["merges"]],
+            "tokenizer.ggml.token_type": [3 if t == "<|endoftext|>" else 1 for t in tokens],
+            "tokenizer.ggml.bos_token_id": eot, "tokenizer.ggml.eos_token_id": eot}
+    return keys | ({"tokenizer.chat_template": chat_template} if chat_template else {})
+
+
 def compose(*overrides: str, config_name: str = "train"):
     """The real Hydra config, as the command line would build it (its schemas registered)."""
     from hydra import compose as hydra_compose

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.helpers import ROOT, clean_env, hf_folder, hf_gpt2
+from tests.helpers import ROOT, clean_env, gguf_file, gguf_tokenizer_keys, hf_folder, hf_gpt2
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TINY_TRAINING = ["model=tiny", "train.batch_size=2", "train.max_iters=2", "train.eval_interval=1",
@@ -44,10 +44,18 @@ def bash_commands(path) -> list[str]:
     return commands
 
 
+CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
+          "+ '<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+          "{% endif %}")
+
+
 def tiny(command: str, run: str, hf_dir: str) -> str:
     """The command with the placeholders filled in and tiny settings appended (hf_dir: the folder
-    holding a tiny GPT-2, Llama and Qwen3, for path/to/gpt2, SmolLM2-135M and Qwen3-0.6B)."""
-    folders = {"path/to/gpt2": "gpt2", "path/to/SmolLM2-135M": "llama", "path/to/Qwen3-0.6B": "qwen3"}
+    holding a tiny GPT-2, Llama and Qwen3, for path/to/gpt2, SmolLM2-135M and Qwen3-0.6B, the Llama
+    with a chat template for SmolLM2-135M-Instruct, and a GGUF file of a Llama for its .gguf)."""
+    folders = {"path/to/SmolLM2-135M-Instruct.Q4_1.gguf": "smollm2.gguf",  # (each before its prefixes)
+               "path/to/SmolLM2-135M-Instruct": "llama", "path/to/SmolLM2-135M": "llama",
+               "path/to/gpt2": "gpt2", "path/to/Qwen3-0.6B": "qwen3"}
     command = (command.replace("outputs/2026-11-21/10-00-00", run).replace("ckpt=...", f"ckpt={run}")
                .replace("outputs/mha_run", run))
     for placeholder, name in folders.items():
@@ -85,7 +93,7 @@ def run_all(commands: list[str], cwd, env) -> None:
         # `ulimit -f unlimited`: a full-disk test lowers this process's file-size limit for a moment,
         # and a command started meanwhile would inherit it.
         result = subprocess.run(["bash", "-c", f"ulimit -f unlimited; {command}"], cwd=cwd, env=env,
-                                capture_output=True, text=True, timeout=300)
+                                capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
         assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
 
 
@@ -97,6 +105,9 @@ def run_every_command(tmp_path):
     hf_gpt2(f"{hf_dir}/gpt2", vocab_size=50257, n_embd=16, n_layer=1, n_head=2, n_positions=64)
     for family in ("llama", "qwen3"):
         hf_folder(f"{hf_dir}/{family}", family)
+    (tmp_path / "hf" / "llama" / "chat_template.jinja").write_text(CHATML)
+    plain = hf_folder(tmp_path / "plain_llama", "llama", rope_scaling=None)  # (GGUF: no Llama 3 scaling)
+    gguf_file(tmp_path / "hf" / "smollm2.gguf", plain, meta=gguf_tokenizer_keys(CHATML))
     env = clean_env(PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
                     OMP_NUM_THREADS="1")
 
