@@ -64,7 +64,7 @@ class Conversation:
         keep = shared_length(self.held, ids)
         if self.rings and keep < self.cache.length:
             keep = 0  # (a ring's earlier cells are overwritten: refilled from the start)
-        self.cache.length = keep
+        self.cache.truncate(keep)
         self.reused, self.prefilled = keep, len(ids) - keep
         idx = torch.tensor([ids], device=self.model.wte.weight.device)     # (1, T)
         with torch.inference_mode(), CudnnAttentionOff():

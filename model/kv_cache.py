@@ -299,6 +299,14 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
 
+    def truncate(self, n: int) -> None:
+        """Keep positions 0 .. n - 1 only: the next is written at n (a chat cut back to what a turn
+        shares with the last; a ring's cells before n may hold later positions, so its callers keep
+        all of it or reset it)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"a cache of {self.length} positions cannot keep {n}")
+        self.length = n
+
     @property
     def full(self) -> bool:
         """No cell left for the next position (a ring never is): time to refill."""
