@@ -15,7 +15,7 @@ import torch
 
 from model.config import GPTConfig, is_integer, is_real
 from model.gpt import GPT
-from model.pretrained import is_finite
+from model.pretrained import is_finite, sizes_made, tensors_differ
 
 # llama.cpp's tensor names: ours, theirs (model.pretrained's LLAMA_OUTER, LLAMA_NAMES, LLAMA_FUSED
 # for a folder). In layer i, ours under blocks.<i>., theirs under blk.<i>.; a fused matrix of ours
@@ -152,17 +152,13 @@ def check_tensors(reader, c: GPTConfig, path: Path) -> None:
         raise ValueError(f"{path}: rope_freqs.weight (Llama 3.1's RoPE scaling, as llama.cpp stores it) is "
                          f"not supported (kvgpt builds plain RoPE from a llama GGUF)")
     expected = gguf_shapes(c)
-    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-    if missing or unexpected:
-        what = [f"{len(missing)} missing (first {missing[0]})"] if missing else []
-        what += [f"{len(unexpected)} unexpected (first {unexpected[0]})"] if unexpected else []
+    if differ := tensors_differ(expected, tensors):
         raise ValueError(f"{path}: tensors do not match its metadata (a Llama of its metadata has other "
-                         f"tensors: {', '.join(what)})")
+                         f"tensors: {differ})")
     for name, sizes in expected.items():
         shape = tuple(int(n) for n in reversed(tensors[name].shape))
         if shape != tuple(size for size, _ in sizes):
-            made = ", ".join(f"{what}={size}" for size, what in sizes)
-            raise ValueError(f"{path}: {name} is {list(shape)}, its metadata makes it [{made}]")
+            raise ValueError(f"{path}: {name} is {list(shape)}, its metadata makes it [{sizes_made(sizes)}]")
         if not dequantizable(tensors[name].tensor_type):
             raise ValueError(f"{path}: {name} is of type {tensors[name].tensor_type.name}, which the gguf "
                              f"library cannot dequantize (kvgpt reads the float, Q and IQ types it can)")

@@ -325,18 +325,28 @@ def check_shapes(expected: dict, shapes: dict, family: str, c: GPTConfig, path: 
             ignored = key.endswith("rotary_emb.inv_freq") or c.tie_embeddings and key == "lm_head.weight"
         if not ignored:  # (GPT-2's name with `transformer.` and without, both: the second is unexpected)
             found[key if key not in found else name] = (name, file, shape)
-    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
-    if missing or unexpected:
-        what = [f"{len(missing)} missing (first {missing[0]})"] if missing else []
-        what += [f"{len(unexpected)} unexpected (first {found[unexpected[0]][0]})"] if unexpected else []
+    if differ := tensors_differ(expected, found, lambda key: found[key][0]):
         raise ValueError(f"{path}: weights do not match its config.json (a {FAMILIES[family]} of its config "
-                         f"has other tensors: {', '.join(what)})")
+                         f"has other tensors: {differ})")
     for key, sizes in expected.items():
         name, file, shape = found[key]
         if shape != tuple(size for size, _ in sizes):
-            made = ", ".join(f"{what}={size}" for size, what in sizes)
             raise ValueError(f"{path}: weights do not match its config.json ({name} in {file} is "
-                             f"{list(shape)}, its config makes it [{made}])")
+                             f"{list(shape)}, its config makes it [{sizes_made(sizes)}])")
+
+
+def tensors_differ(expected: dict, found: dict, name=str) -> str:
+    """'' where `found` has exactly `expected`'s keys, else how it differs, e.g. '2 missing (first a),
+    1 unexpected (first b)' (`name`: how a found key is named)."""
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    what = [f"{len(missing)} missing (first {missing[0]})"] if missing else []
+    what += [f"{len(unexpected)} unexpected (first {name(unexpected[0])})"] if unexpected else []
+    return ", ".join(what)
+
+
+def sizes_made(sizes) -> str:
+    """'hidden_size=48, vocab_size=300': a tensor's shape as (size, what the config calls it) pairs."""
+    return ", ".join(f"{what}={size}" for size, what in sizes)
 
 
 def gpt2_fields(hf: dict) -> dict:
