@@ -183,17 +183,8 @@ def read_gguf(path, dtype=torch.float32) -> GPT:
     folder's: no weight initialised only to be overwritten; every weight must come from the file."""
     path = Path(path).expanduser()
     config = gguf_config(path)
-    with torch.device("meta"):
-        model = GPT(config).to(dtype)
-    model.to_empty(device="cpu")
-    if config.tie_embeddings:
-        model.lm_head.weight = model.wte.weight  # (to_empty gives each module a tensor of its own)
     state = gguf_state(gguf_reader(path), config, path, dtype)
-    expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
-    if expected != state.keys():  # (check_tensors made sure of it: a mapping of ours gone wrong)
-        raise ValueError(f"{path}: weights do not match ours ({sorted(expected ^ state.keys())[:3]})")
-    model.load_state_dict(state, strict=False)
-    return model
+    return GPT.from_state(config, state, dtype, path, "a Llama of its metadata")
 
 
 def gguf_state(reader, config: GPTConfig, path: Path, dtype) -> dict:

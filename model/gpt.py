@@ -56,11 +56,16 @@ class GPT(CoreGPT):
     @classmethod
     def from_pretrained(cls, path, dropout: float = 0.0, dtype=torch.float32) -> "GPT":
         """The model of a local Hugging Face folder (config.json and safetensors, as `save_pretrained`
-        writes them) of GPT-2 or the Llama family: model.pretrained reads it, no `transformers` needed.
-        Built on the meta device and then given memory in `dtype`, so no weight is initialised only to
-        be overwritten (seconds at a billion parameters) nor held twice; every weight must come from
-        the folder."""
+        writes them) of GPT-2 or the Llama family: model.pretrained reads it, no `transformers` needed."""
         family, config, state = read_folder(path, dropout)
+        return cls.from_state(config, state, dtype, path, FAMILIES[family])
+
+    @classmethod
+    def from_state(cls, config: GPTConfig, state: dict, dtype, source, kind: str) -> "GPT":
+        """The model of `config` holding `state`, every weight of it (a tied head aside), in `dtype`.
+        Built on the meta device and then given memory, so no weight is initialised only to be
+        overwritten (seconds at a billion parameters) nor held twice. A state that does not fit is a
+        ValueError naming `source` (the file read) and `kind` (the model it should be)."""
         with torch.device("meta"):
             model = cls(config).to(dtype)
         model.to_empty(device="cpu")
@@ -69,12 +74,12 @@ class GPT(CoreGPT):
         expected = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
         missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
         if missing or unexpected:
-            raise ValueError(f"{path}: weights do not match {FAMILIES[family]} (missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]})")
+            raise ValueError(f"{source}: weights do not match {kind} (missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]})")
         try:
             model.load_state_dict(state, strict=False)
-        except RuntimeError as e:  # a tensor whose shape config.json does not give
-            raise ValueError(f"{path}: weights do not match its config.json "
+        except RuntimeError as e:  # a tensor whose shape its config does not give
+            raise ValueError(f"{source}: weights do not match its config "
                              f"({str(e).strip().splitlines()[-1].strip()})") from e
         return model
 
