@@ -77,6 +77,19 @@ def test_a_reader_that_stops_early_leaves_the_cache_consistent():
     assert list(map(int, chat.reply(second, sampling))) == fresh(model, second, sampling, 0)
 
 
+def test_an_earlier_turn_left_open_does_not_overwrite_what_a_later_one_holds():
+    model = tiny_model(pos_emb="rope", block_size=48)
+    chat, sampling = Conversation(model, cells=48), Sampling(6, temperature=0)
+    first = chat.reply([1, 2, 3], sampling)
+    taken = [int(next(first))]
+    second = [1, 2, 3, *taken, 4]
+    answer = list(map(int, chat.reply(second, sampling)))
+    first.close()  # (read no further: its end must not rewrite what the cache holds)
+    third = second + answer + [5]
+    assert list(map(int, chat.reply(third, sampling))) == fresh(model, third, sampling, 0)
+    assert chat.reused == len(second) + len(answer) - 1
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda m: Conversation(m, Decoding(kv_cache=False)), "keeps its KV cache from turn to turn"),
     (lambda m: Conversation(m, cells=49), r"cells must be at most 48"),
@@ -84,7 +97,11 @@ def test_a_reader_that_stops_early_leaves_the_cache_consistent():
      r"max_new_tokens=5 exceed the chat's cache of 16 positions: drop old turns"),
     (lambda m: Conversation(m).reply([], Sampling(5)), "ids must be a non-empty list of token ids below 37"),
     (lambda m: Conversation(m).reply([37], Sampling(5)), "ids must be a non-empty list of token ids below"),
+    (lambda m: Conversation(m).reply([1], Sampling(5, eos_ids=37)), "eos_ids must be at most 36"),
+    (lambda m: Conversation(m).reply([1], 5), "sampling must be a Sampling"),
+    (lambda m: Conversation(m, Decoding(decode_step=CompiledDecodeStep(m, 1, backend="aot_eager")), cells=8),
+     "cells: a Conversation with a decode step uses its cache: give one of them"),
 ])
 def test_refusals_name_what_is_wrong(call, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         call(tiny_model(pos_emb="rope", block_size=48))
