@@ -98,7 +98,7 @@ class GenerateConfig:
         if self.prompt == "":
             raise ValueError("the prompt is empty: give at least one character, e.g. prompt='\\n'")
         self.check_chat()
-        if self.prompt is None and self.prompt_file is None:
+        if self.prompt is None and self.prompt_file is None and self.chat is None:
             self.prompt = "\n"
         if self.stop == "":
             raise ValueError("stop is empty: give the text that ends a sample, or leave stop out")
@@ -143,7 +143,6 @@ class GenerateConfig:
                     raise ValueError(f"chat=- is a chat on standard input: leave {what}")
         elif self.show_cache:
             raise ValueError("show_cache is for a chat on standard input: give chat=-")
-        self.prompt = ""  # (the chat template gives the tokens; nothing is printed before the answer)
 
     def check_inspect(self) -> None:
         """inspect=<file.html> records one eager decode: a writable .html file, one sample."""
@@ -189,8 +188,14 @@ def check_output_file(path: str, option: str) -> None:
 
 
 def read_prompts(cfg: GenerateConfig) -> list[str]:
-    """The prompts: prompt, or each line of prompt_file."""
-    if cfg.prompt_file is not None:
+    """The prompts: prompt, or each line of prompt_file; with chat, none printed ("": the chat
+    template gives its tokens)."""
+    if cfg.chat is not None:
+        prompts = [""]
+        for option in ("chat", "system"):
+            if getattr(cfg, option) is not None:
+                check_utf8(getattr(cfg, option), option)
+    elif cfg.prompt_file is not None:
         path = Path(cfg.prompt_file).expanduser()
         if path.is_dir():
             raise IsADirectoryError(f"prompt_file={path} is a folder: give a file of prompts, one per line")

@@ -66,6 +66,9 @@ def chat(model, tokenizer, sampling, decoding, generator, system: str | None, st
     lines, out = sys.stdin if lines is None else lines, out or sys.stdout
     cells = min(model.config.block_size, CHAT_CELLS)
     conversation = Conversation(model, decoding, None if decoding.decode_step else cells)
+    if sampling.max_new_tokens >= conversation.room:
+        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} leaves no room for a message in the "
+                         f"chat's cache of {conversation.room} positions: lower it")
     messages, answers = first_messages(system), []
     with naming("chat"):
         chat_ids(tokenizer, messages + first_messages(None, "hi"))  # a template that fails, before any turn
@@ -77,12 +80,16 @@ def chat(model, tokenizer, sampling, decoding, generator, system: str | None, st
         if not text.strip():
             continue
         messages.append({"role": "user", "content": text})
-        ids = fitted(messages, tokenizer, conversation.room - sampling.max_new_tokens, system is not None)
-        if ids is None:
+        try:
+            ids = fitted(messages, tokenizer, conversation.room - sampling.max_new_tokens, system is not None)
+            refused = None if ids else (f"chat: this message and max_new_tokens={sampling.max_new_tokens} "
+                                        f"do not fit in the chat's cache of {conversation.room} positions: "
+                                        f"write a shorter one, or lower max_new_tokens")
+        except ValueError as e:  # (this message: not UTF-8, refused by the template): the chat goes on
+            refused = str(e)
+        if refused:
             messages.pop()
-            print(f"chat: this message and max_new_tokens={sampling.max_new_tokens} do not fit in the chat's "
-                  f"cache of {conversation.room} positions: write a shorter one, or lower max_new_tokens",
-                  file=sys.stderr)
+            print(refused, file=sys.stderr)
             continue
         tokens = conversation.reply(ids, sampling, generator)
         (answer,) = print_samples([""], tokens, tokenizer, stop, out, sampling.eos_ids)

@@ -42,17 +42,17 @@ def folder_chat_template(folder: Path) -> tuple[str | None, dict[str, str]]:
 
 def folder_eos_ids(folder: Path, vocab_size: int) -> tuple[int, ...]:
     """The end-of-text ids the folder's model declares: generation_config.json's eos_token_id (one
-    id or a list), else config.json's; () where neither has one. An id that is not one of the
-    vocabulary's is a ValueError naming the file."""
+    id or a list), else config.json's, those of the tokenizer's vocabulary (no other is drawn); ()
+    where neither has one. A value that is not token ids is a ValueError naming the file."""
     for name in ("generation_config.json", "config.json"):
         value = read_json(folder / name).get("eos_token_id")
         if value is None:
             continue
         ids = value if isinstance(value, list) else [value]
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-            raise ValueError(f"{folder / name}: eos_token_id must be token ids below {vocab_size} (one or a "
-                             f"list), got {json.dumps(value)[:60]}")
-        return tuple(dict.fromkeys(ids))
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"{folder / name}: eos_token_id must be token ids (one or a list), got "
+                             f"{json.dumps(value)[:60]}")
+        return tuple(dict.fromkeys(i for i in ids if i < vocab_size))  # (one past the tokenizer: never drawn)
     return ()
 
 
@@ -85,20 +85,31 @@ def render_chat(template: str, messages, add_generation_prompt: bool = True, **s
     messages = check_messages(messages)
     import jinja2
 
+    template = compiled(template)
     try:
-        return compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         tools=None, documents=None, **special_tokens)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                               documents=None, **special_tokens)
     except jinja2.TemplateError as e:  # raise_exception, or the sandbox refusing an access
         raise ValueError(f"the chat template refused this conversation: {e}") from e
+    except Exception as e:  # noqa: BLE001  the template's own code failing (1/0, None + 1, ...)
+        raise ValueError(f"the chat template failed on this conversation ({type(e).__name__}: {e})") from e
 
 
 @lru_cache(maxsize=8)
 def compiled(template: str):
     """The template compiled in Jinja2's immutable sandbox, with what transformers gives a template:
-    whitespace control (trim_blocks, lstrip_blocks), loop controls, a tojson that keeps non-ASCII
-    text, raise_exception and strftime_now."""
+    whitespace control (trim_blocks, lstrip_blocks), loop controls, {% generation %} blocks (their
+    text as is), a tojson that keeps non-ASCII text, raise_exception and strftime_now."""
     import jinja2
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):  # {% generation %}...{% endgeneration %}: marks the assistant's text
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
     def raise_exception(message):
         raise jinja2.TemplateError(message)
@@ -108,7 +119,7 @@ def compiled(template: str):
                           sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+                                        extensions=["jinja2.ext.loopcontrols", Generation])
     env.filters["tojson"] = tojson
     env.globals |= {"raise_exception": raise_exception,
                     "strftime_now": lambda fmt: datetime.now().strftime(fmt)}

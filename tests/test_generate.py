@@ -1,6 +1,7 @@
 """generate.py, the command line: streaming, batching, stop strings, the benchmark and heatmaps,
 and one-line errors."""
 
+import dataclasses
 import io
 import os
 import re
@@ -486,3 +487,27 @@ def test_a_model_without_a_chat_template_refuses_chat_in_one_line(chat_folder, t
                           f"({path / 'tokenizer.json'}) has no chat template: give the text as a prompt")
     (path / "chat_template.jinja").write_text("{% for m in messages %}")
     assert_one_line_error(generate_cli(f"ckpt={path}", "chat=Hi"), "chat: the chat template does not parse")
+
+
+def test_a_message_the_chat_cannot_take_is_one_line_and_the_chat_goes_on(chat_folder, monkeypatch):
+    """A line that is not UTF-8 (a surrogate escape, as Python hands over undecodable bytes) or that
+    the template refuses: one line, the next message answered; max_new_tokens that leave no room
+    for a message are refused before the chat starts."""
+    path, _ = chat_folder
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['content'] == 'boom' %}{{ raise_exception('no boom') }}{% endif %}"
+        + TEMPLATE.removeprefix("{% for message in messages %}").replace("message[", "m["))
+    monkeypatch.setattr("sys.stdin", io.StringIO("bad \udcff byte\nboom\nWho art thou?\n"))
+    result = generate_cli(f"ckpt={path}", "chat=-", "temperature=0", "max_new_tokens=4", "show_cache=true")
+    assert result.returncode == 0, result.stderr
+    assert "chat: text is not UTF-8: byte 0xff" in result.stderr
+    assert "chat: the chat template refused this conversation: no boom" in result.stderr
+    assert result.stdout.count("[cache: 0 tokens reused") == 1
+    assert_one_line_error(generate_cli(f"ckpt={path}", "chat=-", "max_new_tokens=96"),
+                          "max_new_tokens=96 leaves no room for a message in the chat's cache of 96")
+
+
+def test_a_chat_config_is_a_dataclass_like_any_other():
+    cfg = dataclasses.replace(GenerateConfig(ckpt="x", chat="hi", system="Be brief."), temperature=0.0)
+    assert (cfg.chat, cfg.prompt, cfg.temperature) == ("hi", None, 0.0)
+    assert dataclasses.replace(GenerateConfig(ckpt="x", chat="-"), seed=2).chat == "-"

@@ -79,7 +79,7 @@ def test_the_template_file_comes_first_then_tokenizer_configs_string_or_default_
 
 @pytest.mark.parametrize("generation, config, ids", [
     ({"eos_token_id": [7, 3, 7]}, {"eos_token_id": 1}, (7, 3)), ({}, {"eos_token_id": 1}, (1,)),
-    ({"eos_token_id": None}, {}, ()), (None, None, ())])
+    ({"eos_token_id": None}, {}, ()), (None, None, ()), ({"eos_token_id": [300, 5]}, {}, (5,))])
 def test_end_of_text_ids_from_generation_config_else_config(tmp_path, generation, config, ids):
     for name, value in (("generation_config.json", generation), ("config.json", config)):
         if value is not None:
@@ -87,10 +87,10 @@ def test_end_of_text_ids_from_generation_config_else_config(tmp_path, generation
     assert folder_eos_ids(tmp_path, 300) == ids
 
 
-@pytest.mark.parametrize("bad", [300, -1, "2", [1, True]])
-def test_an_end_of_text_id_outside_the_vocabulary_is_refused_naming_the_file(tmp_path, bad):
+@pytest.mark.parametrize("bad", [-1, "2", [1, True], 2.0])
+def test_an_end_of_text_id_that_is_not_a_token_id_is_refused_naming_the_file(tmp_path, bad):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": bad}))
-    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be token ids below 300"):
+    with pytest.raises(ValueError, match=r"generation_config.json: eos_token_id must be token ids \(one or"):
         folder_eos_ids(tmp_path, 300)
 
 
@@ -99,6 +99,8 @@ def test_an_end_of_text_id_outside_the_vocabulary_is_refused_naming_the_file(tmp
     (LLAMA3, [{"role": "tool", "content": "x"}], "refused this conversation: roles are user and assistant"),
     ("{{ messages.__class__.__mro__ }}", CONVERSATIONS[0], "refused this conversation: "),
     ("{{ messages.append(1) }}", CONVERSATIONS[0], "refused this conversation: "),
+    ("{{ 1 / 0 }}", CONVERSATIONS[0], r"failed on this conversation \(ZeroDivisionError: "),
+    ("{% for t in tools %}{% endfor %}", CONVERSATIONS[0], r"failed on this conversation \(TypeError: "),
     (CHATML, [], "messages must be a non-empty list"),
     (CHATML, [{"role": "user"}], "each message must be"),
 ])
@@ -107,6 +109,14 @@ def test_a_template_that_fails_is_one_line_and_the_sandbox_refuses_pythons_insid
     with pytest.raises(ValueError, match=message) as e:
         render_chat(template, messages)
     assert "\n" not in str(e.value)
+
+
+def test_generation_blocks_render_their_text_as_transformers_does(folder):
+    template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}")
+    messages = CONVERSATIONS[2]
+    want = transformers_tokenizer(folder, template).apply_chat_template(messages, tokenize=False)
+    assert render_chat(template, messages, False) == want == "Answer in French.HelloBonjour !日本語 🎭?"
 
 
 def test_a_tokenizer_without_a_template_refuses_chat(folder, tmp_path):
