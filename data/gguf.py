@@ -17,8 +17,11 @@ CONTROL, USER_DEFINED = 3, 4
 SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
                "pad_token": "padding_token_id"}
 # The end-of-text ids: llama.cpp ends a generation at any of them (eot: Llama 3's <|eot_id|>; eom:
-# its <|eom_id|>), as transformers does at generation_config.json's list.
+# its <|eom_id|>), as transformers does at generation_config.json's list; and at a control token of
+# one of END_TOKENS' texts (llama-vocab.cpp's list, for files that name no eot).
 EOS_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
+END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+              "<EOT>", "<|end_of_text|>", "<|return|>", "<|call|>")
 
 # How llama.cpp splits a text before BPE (llama-vocab.cpp), by tokenizer.ggml.pre: GPT-2's regex
 # (ByteLevel's own); or each digit alone first (SmolLM2, StarCoder: tokenizers' Digits); or Llama 3's,
@@ -79,9 +82,11 @@ def read_tokenizer(path: str, mtime_ns: int, size: int):
     ids = {name: token_id(fields, f"tokenizer.ggml.{key}", len(tokens), path)
            for name, key in SPECIAL_IDS.items()}
     special = {name: tokens[i] for name, i in ids.items() if i is not None}
-    eos_ids = tuple(dict.fromkeys(i for key in EOS_KEYS
-                                  if (i := token_id(fields, f"tokenizer.ggml.{key}", len(tokens), path))
-                                  is not None))
+    types = fields.get("tokenizer.ggml.token_type") or []
+    named = [i for i, kind in enumerate(types) if kind == CONTROL and tokens[i] in END_TOKENS]
+    eos_ids = tuple(dict.fromkeys([*(i for key in EOS_KEYS
+                                     if (i := token_id(fields, f"tokenizer.ggml.{key}", len(tokens), path))
+                                     is not None), *named]))
     template = fields.get("tokenizer.chat_template")
     text = fields.get("tokenizer.huggingface.json")
     if not isinstance(text, str):
@@ -90,11 +95,12 @@ def read_tokenizer(path: str, mtime_ns: int, size: int):
 
 
 def token_id(fields: dict, key: str, vocab_size: int, path: str) -> int | None:
-    """The id metadata `key` holds (None where it is absent), else a ValueError naming the key."""
+    """The id metadata `key` holds: None where it is absent or past the vocabulary (llama.cpp too
+    carries on without it); a value that is not an integer is a ValueError naming the key."""
     value = fields.get(key)
-    if value is not None and not (isinstance(value, int) and 0 <= value < vocab_size):
-        raise ValueError(f"{path}: {key} must be a token id below {vocab_size}, got {str(value)[:60]}")
-    return value
+    if value is not None and not (isinstance(value, int) and value >= 0):
+        raise ValueError(f"{path}: {key} must be a token id, got {str(value)[:60]}")
+    return value if value is not None and value < vocab_size else None
 
 
 def byte_level_bpe(fields: dict, tokens: list[str], bos: int | None, eos: int | None, path: str) -> dict:

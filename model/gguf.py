@@ -112,7 +112,7 @@ def gguf_config(path) -> GPTConfig:
 
 def check_unbuilt(reader, path: Path) -> None:
     """Refuse what a llama GGUF may hold that we do not build: experts, RoPE scaling (linear by 1 is
-    none), and the keys of UNBUILT_KEYS."""
+    none), a tokenizer other than a byte-level BPE, and the keys of UNBUILT_KEYS."""
     if metadata(reader, "llama.expert_count", "an integer", path, 0) > 0:
         raise ValueError(f"{path}: llama.expert_count={reader.fields['llama.expert_count'].contents()} is "
                          f"not supported (kvgpt builds dense layers, no experts)")
@@ -122,6 +122,10 @@ def check_unbuilt(reader, path: Path) -> None:
     if kind not in ("none", "linear") or factor != 1.0:
         raise ValueError(f"{path}: llama.rope.scaling.type={kind!r} with factor {factor} is not supported "
                          f"(kvgpt builds plain RoPE from a llama GGUF)")
+    tokenizer = metadata(reader, "tokenizer.ggml.model", "a string", path, "gpt2")
+    if tokenizer != "gpt2":  # (data.gguf reads the tokenizer; refused here, before any weight is read)
+        raise ValueError(f"{path}: tokenizer.ggml.model={tokenizer!r} is not supported (kvgpt reads "
+                         f"byte-level BPE vocabularies, 'gpt2': Llama 3, Qwen2, SmolLM2)")
     if unbuilt := [key for key in UNBUILT_KEYS if f"llama.{key}" in reader.fields]:
         raise ValueError(f"{path}: llama.{unbuilt[0]} is not supported (kvgpt builds Llama's plain "
                          f"decoder: no scales, soft caps, clamps or windows)")

@@ -123,13 +123,27 @@ def test_an_embedded_tokenizer_json_is_read_as_it_is(tmp_path):
 REFUSED = {
     "SentencePiece": ({"tokenizer.ggml.model": "llama"}, "tokenizer.ggml.model='llama' is not supported"),
     "another splitting": ({"tokenizer.ggml.pre": "falcon"}, "tokenizer.ggml.pre='falcon' is not supported"),
-    "an id past the vocabulary": ({"tokenizer.ggml.eos_token_id": 301},
-                                  "tokenizer.ggml.eos_token_id must be a token id below 301, got 301"),
+    "an id that is not one": ({"tokenizer.ggml.eos_token_id": "x"},
+                              "tokenizer.ggml.eos_token_id must be a token id, got x"),
     "no tokens": ({"tokenizer.ggml.tokens": None}, "has no tokenizer.ggml.tokens"),
     "no merges": ({"tokenizer.ggml.merges": None}, "has no tokenizer.ggml.merges"),
     "a token twice": ({"tokenizer.ggml.tokens": [*shakespeare_vocab()[0][:300], "a"]},
                       "tokenizer.ggml.tokens holds 'a' twice"),
 }
+
+
+def test_ids_past_the_vocabulary_are_dropped_and_end_tokens_end_a_sample(tmp_path):
+    """As llama.cpp: a special id past the vocabulary is left out (the file still reads); a control
+    token whose text ends a turn (<|im_end|>, ...) is an end-of-text id beside the file's eos."""
+    vocab = shakespeare_vocab()[0]
+    tokens = [*vocab, "<|im_end|>"]
+    file = write_tokenizer(tmp_path / "x.gguf", meta={"tokenizer.ggml.padding_token_id": 999,
+                                                      "tokenizer.ggml.token_type": [
+                                                          3 if t in ("<|endoftext|>", "<|im_end|>") else 1
+                                                          for t in tokens]}, tokens=tokens)
+    tokenizer = HFTokenizer(file)
+    assert "pad_token" not in tokenizer.special_tokens
+    assert tokenizer.eos_ids == (vocab.index("<|endoftext|>"), len(vocab))
 
 
 @pytest.mark.parametrize("case", REFUSED)

@@ -82,6 +82,8 @@ REFUSED = {
     "a contradicting shape": ({"meta": {"llama.attention.head_count_kv": 4}},
                               "blk.0.attn_k.weight is [32, 64], its metadata makes it [head_count_kv x"),
     "partial RoPE": ({"meta": {"llama.rope.dimension_count": 8}}, "llama.rope.dimension_count=8 is not"),
+    "a SentencePiece tokenizer": ({"meta": {"tokenizer.ggml.model": "llama"}},  # (before any weight is read)
+                                  "tokenizer.ggml.model='llama' is not supported"),
 }
 
 
