@@ -56,6 +56,13 @@ checkpoint is evaluated on its whole val split in each precision.
    the same step with one fused kernel in each nn.RMSNorm's place (LayerNorm's, of the same width and
    weight: the cost a fused RMSNorm would have, not its numbers; PyTorch's CPU RMSNorm is ~9 small
    operations a call), paired rounds in one process: what the norms cost a token beyond one kernel.
+11. A real model (`--sections real [--real-ckpt <folder>]`, default SmolLM2-135M-Instruct as
+   `python tests/real_model.py` fetches it; skipped in one line without it): one chat prompt, batch 1,
+   200 greedy new tokens (whatever --new), transformers' float32 `generate` (its cache, no end of
+   text) beside ours in float32 eagerly and compiled, and with generate.py's lossy flags; each row
+   timed from its first new token to its last, 5 interleaved rounds in one process, medians; each
+   row's bytes a token reads over the machine's read bandwidth, measured in the same rounds (its
+   MBU), and how many tokens each keeps of the float32 answer before the first that differs.
 """
 
 import contextlib
@@ -571,6 +578,166 @@ def fused_norm_stand_in(model):
     return model
 
 
+REAL_FOLDER = "tests/.models/SmolLM2-135M-Instruct"  # as `python tests/real_model.py` fetches it
+# A question whose greedy answer runs past 200 tokens: SmolLM2-135M answers "What is the capital of
+# France?" in 7, and every token after its end of turn would be the model talking to itself.
+REAL_PROMPT = ("<|im_start|>user\nExplain how a refrigerator keeps food cold.<|im_end|>\n"
+               "<|im_start|>assistant\n")
+REAL_NEW = 200
+REAL_ROWS = {  # generate.py's flags: (dtype, quantize, kv_dtype, compile)
+    "dtype=float32 (the model's own, exact)": ("float32", None, None, False),
+    "dtype=float32 compile=true": ("float32", None, None, True),
+    "dtype=bfloat16": ("bfloat16", None, None, False),
+    "no flags (auto)": ("auto", "auto", None, False),
+    "compile=true quantize=int8 dtype=bfloat16": ("bfloat16", "int8", None, True),
+    "compile=true quantize=int8 dtype=bfloat16 kv_dtype=int8": ("bfloat16", "int8", "int8", True),
+}
+HF_ROW, EXACT_ROW = "transformers generate (float32, its cache)", next(iter(REAL_ROWS))
+PRODUCTS_ROW = "float32's matrix products alone (the eager step's, nothing else)"
+
+
+class FirstTokenClock:
+    """A streamer for transformers' generate (put, end): the time it hands over its first new token
+    (the prompt comes first)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value):
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+def hf_greedy(hf, prompt, new: int) -> tuple[float, int, list]:
+    """(seconds from the first new token to the last, tokens in them, the new tokens) of one greedy
+    `generate`."""
+    clock = FirstTokenClock()
+    out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, do_sample=False,
+                      use_cache=True, streamer=clock)
+    return time.perf_counter() - clock.first, new - 1, out[0, prompt.size(1):].tolist()
+
+
+def greedy(model, prompt, new: int, step=None, kv_dtype=None) -> tuple[float, int, list]:
+    """hf_greedy's numbers for one greedy `stream` of ours (the cache in kv_dtype, or `step`'s)."""
+    decoding = Decoding(kv_dtype=None if step else kv_dtype, decode_step=step)
+    tokens = stream(model, prompt, Sampling(new, temperature=0), decoding)
+    drawn = [next(tokens)]                                               # (1,) each
+    t0 = time.perf_counter()
+    drawn.extend(tokens)
+    return time.perf_counter() - t0, new - 1, torch.cat(drawn).tolist()
+
+
+@torch.inference_mode()
+def products_only(model, tokens: int = 20) -> tuple[float, int, None]:
+    """The seconds `tokens` one-token steps spend in their matrix products alone: each nn.Linear's
+    weight times one row (F.linear, as the eager step calls it), nothing between them."""
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    rows = {w.size(1): torch.randn(1, w.size(1), dtype=w.dtype) for w in weights}  # (1, in)
+    t0 = time.perf_counter()
+    for _ in range(tokens):
+        for w in weights:
+            nn.functional.linear(rows[w.size(1)], w)
+    return time.perf_counter() - t0, tokens, None
+
+
+def bytes_a_token(model, kv_dtype=None, cells: float = 0) -> float:
+    """Bytes one decoded token reads: every weight once (parameters and buffers: int8 weights and
+    their scales; a tied output layer once, with the embedding; an untied embedding table is one row
+    a token, left out) and `cells` positions of the KV cache stored in kv_dtype."""
+    head = getattr(model.lm_head, "weight", None)
+    weights = {id(t): t for t in (*model.parameters(), *model.buffers())
+               if t is not model.wte.weight or t is head}
+    kv = model.new_kv_cache(1, 2, kv_dtype).bytes_per_token              # K and V, every layer, scales too
+    return sum(t.nbytes for t in weights.values()) + cells * kv
+
+
+def real_rows(folder: str, prompt, new: int) -> tuple[dict, dict, dict]:
+    """({row: a function timing one greedy sample (hf_greedy's numbers)}, {row: bytes a token reads
+    at the decode's mean position}, {row: seconds its compiled step took to build}): transformers,
+    REAL_ROWS (each precision loaded once) and PRODUCTS_ROW."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # all 200 tokens, as ours (which never stops early)
+    exact = load_model(folder, "cpu", Precision("float32", None))[0]
+    models, cells = {("float32", None): exact}, prompt.size(1) + new / 2  # the mean step reads that many
+    rows = {HF_ROW: functools.partial(hf_greedy, hf, prompt, new)}
+    read = {HF_ROW: bytes_a_token(exact, None, cells)}
+    built = {}
+    for name, (dtype, quantize, kv_dtype, compiled) in REAL_ROWS.items():
+        key = Precision(dtype, quantize).on(torch.device("cpu"), exact.num_params())  # auto: what it means
+        if key not in models:
+            models[key] = load_model(folder, "cpu", Precision(*key))[0]
+        model, step, t0 = models[key], None, time.perf_counter()
+        if compiled:  # as generate.py builds it: the cache holds the prompt and the new tokens
+            step = CompiledDecodeStep(model, 1, kv_dtype, "inductor", max_len=prompt.size(1) + new)
+            built[name] = time.perf_counter() - t0
+        rows[name] = functools.partial(greedy, model, prompt, new, step, kv_dtype)
+        read[name] = bytes_a_token(model, kv_dtype, cells)
+    rows[PRODUCTS_ROW], read[PRODUCTS_ROW] = functools.partial(products_only, exact), bytes_a_token(exact)
+    return rows, read, built
+
+
+def kept(answer, reference) -> int:
+    """How many tokens of `answer` equal `reference`'s before the first that differs."""
+    same = [a == b for a, b in zip(answer, reference)]
+    return same.index(False) if False in same else len(same)
+
+
+def timed(f) -> float:
+    """The seconds f() takes."""
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def real_model(folder: str, rounds: int = 5) -> None:
+    """`--sections real`: `rounds` rounds of one greedy sample of every row of `real_rows`, in the
+    opposite order every other round (each `collected_first`; the compiled steps ran when built, and a
+    slow first round is one of the medians' five), with 3 timings of the read bandwidth after each
+    round; medians, each ratio the median of its rounds'."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = torch.tensor([tokenizer.encode(REAL_PROMPT)])               # (1, T)
+    rows, read, built = real_rows(folder, prompt, REAL_NEW)
+    big = torch.ones(2**28)  # 1 GiB of float32, 4x this Xeon's L3: its sum reads memory
+    times, answers, reads = {name: [] for name in rows}, {}, []
+    for r in range(rounds):
+        for name in list(rows)[::-1 if r % 2 else 1]:
+            seconds, tokens, answers[name] = collected_first(rows[name])
+            times[name].append(seconds / tokens)
+        reads += [timed(big.sum) for _ in range(3)]
+    bandwidth = big.nbytes / statistics.median(reads)
+    print(f"\n### {Path(folder).name} ({folder}): a {prompt.size(1)}-token chat prompt, {REAL_NEW} greedy "
+          f"new tokens, batch 1, CPU, {torch.get_num_threads()} threads; tokens/s from the first new token "
+          f"to the last, median of {rounds} interleaved rounds in one process\n")
+    print("| decode | tokens/s | vs transformers | MB a token reads | MBU | tokens kept of the float32 "
+          "answer |\n| --- | --- | --- | --- | --- | --- |")
+    for name, t in times.items():
+        per_token = statistics.median(t)
+        ratio = statistics.median(h / o for h, o in zip(times[HF_ROW], t))
+        same = "" if answers[name] is None else kept(answers[name], answers[EXACT_ROW])
+        print(f"| {name} | {1 / per_token:,.1f} | {ratio:.2f}x | {read[name] / 1e6:,.0f} | "
+              f"{read[name] / per_token / bandwidth:.0%} | {same} |")
+    exact, products = (statistics.median(times[name]) for name in (EXACT_ROW, PRODUCTS_ROW))
+    mb = read[EXACT_ROW] / 1e6
+    print(f"\nRead bandwidth **{bandwidth / 1e9:.1f} GB/s**: the median of {len(reads)} timings of "
+          f"`big.sum()` over a 1 GiB float32 tensor, 3 after each round. MB a token reads: every weight once "
+          f"(a tied output layer once) and the KV cache at the decode's mean position, "
+          f"{prompt.size(1) + REAL_NEW // 2}; MBU: those bytes a second over the bandwidth. At it float32's "
+          f"{mb:,.0f} MB take {mb / bandwidth * 1e9:.1f} ms a token ({bandwidth / 1e6 / mb:.1f} tokens/s at "
+          f"most); its eager token took {exact * 1e3:.1f} ms, its matrix products alone {products * 1e3:.1f} "
+          f"({products / exact:.0%}). Compiled steps built in "
+          + ", ".join(f"{seconds:.1f} s ({name})" for name, seconds in built.items())
+          + f". Transformers' answer keeps {kept(answers[HF_ROW], answers[EXACT_ROW])} tokens of ours, "
+          f"which begins {tokenizer.decode(answers[EXACT_ROW][:24])!r}")
+
+
 def main() -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", help="a run of the CPU main job (default: the latest run in outputs/)")
@@ -582,8 +749,9 @@ def main() -> None:
                    help="the checkout whose model --sections compile, flags, kv, variants run")
     p.add_argument("--before", type=absolute,
                    help="--sections compile, kv, flags: also this checkout, side by side")
+    p.add_argument("--real-ckpt", help=f"--sections real: a Hugging Face folder (default: {REAL_FOLDER})")
     sections = ["char", "main", "anatomy", "compile", "threads", "flags", "kv", "long", "variants", "samples",
-                "norm"]
+                "norm", "real"]
     p.add_argument("--sections", nargs="+", choices=sections, default=sections)
     args = p.parse_args()
     exit_on_user_error(run, args)
@@ -598,6 +766,9 @@ def check_args(args) -> None:
     if args.ckpt is not None:
         with naming("--ckpt"):
             find(args.ckpt, prefer="best.pt")
+    if args.real_ckpt is not None and not (Path(args.real_ckpt) / "config.json").is_file():
+        raise FileNotFoundError(f"--real-ckpt {args.real_ckpt} is not a Hugging Face model folder: it has "
+                                f"no config.json")
     for option, code in (("--code", args.code), ("--before", args.before)):
         if code is not None and not (Path(code) / "model" / "__init__.py").is_file():
             why = "does not exist" if not Path(code).exists() else "has no model/__init__.py"
@@ -636,6 +807,12 @@ def run(args) -> None:
         many_samples()
     if "norm" in args.sections:
         norm_cost(load_model(ckpt, "cpu")[0])
+    if "real" in args.sections:
+        real = args.real_ckpt or str(ROOT / REAL_FOLDER)
+        if Path(real).is_dir():
+            real_model(real)
+        else:  # (the default folder only: a --real-ckpt that is not there was refused before any section)
+            print(f"\n### A real model: skipped, {real} is not there (python tests/real_model.py fetches it)")
 
 
 if __name__ == "__main__":
