@@ -42,7 +42,8 @@ class Conversation:
             self.cache = model.new_kv_cache(1, cells, dtype=self.decoding.kv_dtype)
         self.rings = any(group.ring for group in self.cache.groups)
         self.held: list[int] = []  # the tokens in the cache, position p's at p (its first cache.length)
-        self.reused = self.prefilled = self.turns = 0
+        self.reused = self.prefilled = 0
+        self.turn = None  # the last turn's generator: ended (closed) when the next begins
 
     @property
     def room(self) -> int:
@@ -63,14 +64,16 @@ class Conversation:
         if len(ids) + sampling.max_new_tokens > self.room:
             raise ValueError(f"{len(ids)} tokens of conversation + max_new_tokens={sampling.max_new_tokens} "
                              f"exceed the chat's cache of {self.room} positions: drop old turns")
-        self.turns += 1
-        return self.answer(list(ids), idx, sampling, generator, self.turns)
+        if self.turn is not None:
+            self.turn.close()  # (its end records what it fed into the cache, read to the end or not)
+        self.turn = self.answer(list(ids), idx, sampling, generator)
+        return self.turn
 
     @torch.no_grad()
-    def answer(self, ids: list[int], idx, sampling: Sampling, generator, turn: int):
+    def answer(self, ids: list[int], idx, sampling: Sampling, generator):
         """`reply`'s tokens: the cache cut back to the prefix it shares with ids, the rest fed, then
-        `decoded`. `held` follows what the cache holds however the turn ends (read to the end, left,
-        interrupted), unless a later turn has begun."""
+        `decoded`. `held` follows what the cache holds however the turn ends (read to the end, left
+        and closed by the next turn, interrupted)."""
         keep = min(shared_length(self.held, ids), self.cache.length)
         if self.rings and keep < self.cache.length:
             keep = 0  # (a ring's earlier cells are overwritten: refilled from the start)
@@ -83,8 +86,7 @@ class Conversation:
             yield from decoded(self.model, context, self.cache, None, logits, sampling, self.decoding,
                                generator)
         finally:  # the cache holds its first cache.length tokens of the context
-            if turn == self.turns:
-                self.held = context.tokens[0, :self.cache.length].tolist()
+            self.held = context.tokens[0, :self.cache.length].tolist()
 
 
 def shared_length(held: list[int], ids: list[int]) -> int:

@@ -77,14 +77,17 @@ def test_a_reader_that_stops_early_leaves_the_cache_consistent():
     assert list(map(int, chat.reply(second, sampling))) == fresh(model, second, sampling, 0)
 
 
-def test_an_earlier_turn_left_open_does_not_overwrite_what_a_later_one_holds():
+def test_a_turn_left_unread_ends_when_the_next_begins_and_keeps_what_it_fed():
+    """A reader that stops at its answer's end (as generate.py's printer does at an eos id) leaves
+    the turn open: the next turn closes it first, so its answer's tokens are reused."""
     model = tiny_model(pos_emb="rope", block_size=48)
     chat, sampling = Conversation(model, cells=48), Sampling(6, temperature=0)
     first = chat.reply([1, 2, 3], sampling)
-    taken = [int(next(first))]
+    taken = [int(next(first)) for _ in range(3)]
     second = [1, 2, 3, *taken, 4]
     answer = list(map(int, chat.reply(second, sampling)))
-    first.close()  # (read no further: its end must not rewrite what the cache holds)
+    assert chat.reused == 3 + 2  # (the prompt and the tokens fed before the third was drawn)
+    first.close()  # (a no-op: it ended when the second turn began)
     third = second + answer + [5]
     assert list(map(int, chat.reply(third, sampling))) == fresh(model, third, sampling, 0)
     assert chat.reused == len(second) + len(answer) - 1

@@ -129,7 +129,7 @@ def test_a_two_turn_chat_on_standard_input_reuses_the_first_turns_cache(smollm2)
     assert result.returncode == 0, result.stderr[-2000:]
     counts = [tuple(map(int, c)) for c in re.findall(r"\[cache: (\d+) tokens reused, (\d+) prefilled\]",
                                                      result.stdout)]
-    assert len(counts) == 2 and counts[0][0] == 0 and counts[1][0] > counts[0][1]
+    assert len(counts) == 2 and counts[0][0] == 0 and counts[1][0] > counts[0][1] + 4  # (its answer too)
     assert "Paris" in result.stdout and "Rome" in result.stdout
 
 
