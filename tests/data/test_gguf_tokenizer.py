@@ -166,14 +166,16 @@ def test_a_file_that_is_not_gguf_is_refused_in_one_line(tmp_path):
 
 @pytest.mark.real
 def test_smollm2_gguf_tokenizer_is_its_folders(smollm2):
-    """SmolLM2-135M-Instruct's file: the folder's chat template, special tokens and end-of-text id
-    (2, <|im_end|>); its ids are the folder's, but where a digit follows spaces, another digit or a
+    """SmolLM2-135M-Instruct's file: the folder's chat template and special tokens; its end-of-text
+    ids the file's eos (2, <|im_end|>) and, as llama.cpp, its control token <|endoftext|>; its ids
+    are the folder's, but where a digit follows spaces, another digit or a
     newline: transformers' GGUF reader splits SmolLM2's text with GPT-2's regex alone, llama.cpp (and
     SmolLM2's own tokenizer.json) each digit apart first, as we do."""
     folder, file = smollm2
     ours, theirs = HFTokenizer(file), HFTokenizer(folder / "tokenizer.json")
     assert (ours.chat_template, ours.special_tokens) == folder_chat_template(folder)
-    assert ours.eos_ids == theirs.eos_ids == (2,) and ours.decode([2]) == "<|im_end|>"
+    assert theirs.eos_ids == (2,) and ours.decode([2]) == "<|im_end|>"
+    assert ours.eos_ids == (2, 0) and ours.decode([0]) == "<|endoftext|>"  # (llama.cpp ends at both)
     assert ours.vocab_size == theirs.vocab_size == 49152
     chat = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi! 2+2=?<|im_end|>\n"
             "<|im_start|>assistant\n")

@@ -22,8 +22,12 @@ def fresh(model, ids, sampling, seed, kv_cache=True):
     return out[len(ids):].tolist()
 
 
-@pytest.mark.parametrize("kind", list(ENDLESS) + list(BOUNDED))
-@pytest.mark.parametrize("storage", KINDS)
+# Every cache kind in float32; the other storages on a ring, MLA and local/global layers.
+CASES = [(kind, "float32") for kind in [*ENDLESS, *BOUNDED]] + [
+    (kind, storage) for kind in ("window, sinks", "mla", "local/global") for storage in list(KINDS)[1:]]
+
+
+@pytest.mark.parametrize("kind, storage", CASES)
 def test_each_turn_prefills_only_what_it_adds_and_answers_as_the_whole_conversation_afresh(kind, storage):
     """Three turns: the second extends the first and its answer (only its new tokens prefilled), the
     third re-renders an earlier turn otherwise (the cache cut back to the shared prefix; a ring
