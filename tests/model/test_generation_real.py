@@ -170,3 +170,13 @@ def tokenizer_text(ids) -> str:
     from data.tokenizer import HFTokenizer
 
     return HFTokenizer(FOLDER / "tokenizer.json").decode(ids.tolist())
+
+
+def test_the_docs_chat_from_python_runs_as_written(smollm2, capsys):
+    """docs/gpt2.md's Python chat, its folder the real one: the two answers and the reuse it says."""
+    docs = (ROOT / "docs" / "gpt2.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", docs, flags=re.S)
+    (code,) = [block for block in blocks if "Conversation" in block]
+    exec(code.replace("path/to/SmolLM2-135M-Instruct", str(FOLDER)), {})
+    assert capsys.readouterr().out == ("The capital of France is Paris. (0 tokens reused, 37 prefilled)\n"
+                                       "The capital of Italy is Rome. (44 tokens reused, 15 prefilled)\n")
