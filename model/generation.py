@@ -146,10 +146,9 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     if isinstance(idx, torch.Tensor):
         return out
     pads = [0] * len(out) if pad is None else pad.tolist()  # None: the prompts had one length
-    T, eos = prompts.size(1), torch.tensor(sampling.eos_ids, device=out.device)
-    ends = [T + int(torch.isin(row[T:], eos).int().argmax()) + 1 if torch.isin(row[T:], eos).any()
-            else len(row) for row in out]
-    return [row[p:end] for row, p, end in zip(out, pads, ends)]
+    ended = torch.isin(out[:, prompts.size(1):], torch.tensor(sampling.eos_ids, device=out.device))  # (B, n)
+    ends = torch.where(ended.any(1), ended.int().argmax(1) + 1, ended.size(1)) + prompts.size(1)   # (B,)
+    return [row[p:end] for row, p, end in zip(out, pads, ends.tolist())]
 
 
 def stream(model, idx, sampling: Sampling, decoding: Decoding | None = None, *, generator=None, pad=None):

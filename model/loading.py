@@ -22,10 +22,10 @@ def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
     dir (its best.pt, else ckpt.pt), a Hugging Face model folder (GPT.from_pretrained) or a GGUF
     file (read_gguf; the checkpoint holds the decoding model's weights); the model is on `device`,
     in eval mode, in the precision `for_decoding` gives it (a pretrained model's own, by default)."""
-    if is_pretrained(path) or is_gguf(path):  # read in the dtype it decodes in: weights are not held twice
+    gguf = is_gguf(path)
+    if gguf or is_pretrained(path):  # read in the dtype it decodes in: weights are not held twice
         path = Path(path).expanduser()
         device = pick_device(device) if isinstance(device, str) else device
-        gguf = is_gguf(path)
         own_dtype = "float32" if gguf else folder_dtype(path)  # (a GGUF's weights: dequantized to float32)
         with torch.device("meta"):
             n_params = GPT(gguf_config(path) if gguf else folder_config(path)[1]).num_params()
