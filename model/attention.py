@@ -1,8 +1,9 @@
 """The attention layer of every variant, built on the core layer (model/core/attention.py). A
 `kv_share` group's later layers attend over its first layer's keys and values, a layer may see a
 sliding window (and sinks, both kinds), queries and keys may be normalised per head (qk-norm), a
-cache hands keys in groups, rings or int8, and the inspect page may keep the weights. Every layer
-attends through the core `attend`, to which this file adds the extensions' kernels."""
+cache hands keys in groups, rings, int8 or int4 (a chunk's in two precisions), and the inspect page
+may keep the weights. Every layer attends through the core `attend`, to which this file adds the
+extensions' kernels."""
 
 import torch
 import torch.nn as nn
@@ -11,10 +12,27 @@ from model.core.attention import KERNELS, apply_rope, attend
 from model.core.attention import CausalSelfAttention as CoreAttention
 from model.core.gpt import make_norm
 from model.kernels import int8_step, split_kv_step
-from model.kv_cache import Quantized
-from model.windows import layer_mask, sink_as_key
+from model.kv_cache import MixedKeys, Quantized
+from model.windows import WithSink, layer_mask, sink_as_key, without_sink
 
-KERNELS.extend([int8_step, split_kv_step, sink_as_key])  # the first that takes a call computes it
+
+def int4_chunk(q, k, v, attn_mask, is_causal, dropout_p, scale, backend, return_weights):
+    """attend's kernel for an int4 cache's chunk of queries, whose K and V come `MixedKeys`: the old
+    cells dequantized and the recent positions as given side by side, each query's keys chosen by
+    the distance rule (MixedKeys.visible) within the causal rule and `attn_mask` (bool, over the
+    cells), then `attend`; the weights, if kept, per cell. None for any other call."""
+    if not isinstance(k, MixedKeys):
+        return None
+    mask, sink_logit = without_sink(attn_mask)
+    mask = k.visible(q.size(2), mask)                                    # (., T, d + cells - start)
+    keys = torch.cat([k.old, k.recent], dim=2)                           # (B, heads, d + cells - start, dim)
+    values = keys if v is k else torch.cat([v.old, v.recent], dim=2)     # (MLA: its keys)
+    out = attend(q, keys, values, mask if sink_logit is None else WithSink(mask, sink_logit), is_causal=False,
+                 dropout_p=dropout_p, scale=scale, backend=backend, return_weights=return_weights)
+    return (out[0], k.per_cell(out[1])) if return_weights else out
+
+
+KERNELS.extend([int8_step, int4_chunk, split_kv_step, sink_as_key])  # the first that takes a call computes it
 
 
 class CausalSelfAttention(CoreAttention):
@@ -88,7 +106,7 @@ class CausalSelfAttention(CoreAttention):
             k, v = (x.values.to(q.dtype) * x.scales.to(q.dtype) for x in (k, v))
         is_causal = attn_mask is None
         if not self.plain:
-            S = (k.values if isinstance(k, Quantized) else k).size(2)
+            S = k.cells if isinstance(k, MixedKeys) else (k.values if isinstance(k, Quantized) else k).size(2)
             attn_mask, is_causal = layer_mask(q.size(2), S, q.device, is_causal, attn_mask, self.window,
                                               self.attn_sinks, self.sink_logit)
         out = attend(q, k, v, attn_mask, is_causal=is_causal, scale=scale, backend=self.backend,

@@ -12,7 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model.config import check_integer
 from model.kernels import SplitKV
-from model.kv_cache import storage_dtype
+from model.kv_cache import is_int4, storage_dtype
 from model.sampling import Sampling, sample_next
 from model.step_package import (
     announce_compile,
@@ -87,6 +87,9 @@ class CompiledDecodeStep:
                  split_kv: bool | None = None, max_len: int | None = None):
         device = model.wte.weight.device
         check_integer(batch_size, "batch_size", 1)
+        if is_int4(kv_dtype):
+            raise ValueError("kv_dtype='int4': a compiled decode step does not take an int4 cache (its reads "
+                             "depend on the position); decode it eagerly")
         self.model, self.backend = model, backend
         self.split_kv = backend == "inductor" if split_kv is None else split_kv
         self.cache = model.new_kv_cache(batch_size, max_len, None if kv_dtype is None else

@@ -6,13 +6,16 @@ Read top to bottom: `GroupCache` is the plain cache of one group of layers (posi
 `Stored` is how it keeps K or V. Each extension is a piece of its own, along one of two axes:
 where a position goes (`Ring`: a sliding window's last positions and its sinks, in a ring of cells)
 and how it is stored (`Converted`: in another dtype than attention computes in; `Int8`: int8 with
-one scale per position and head). `KVCache` holds one group cache per group, for the whole model.
+one scale per position and head; `Int4`: int4 in groups of numbers, with the last positions also
+in full precision). `KVCache` holds one group cache per group, for the whole model.
 """
 
 import copy
 from typing import NamedTuple
 
 import torch
+
+from model.core.config import is_integer
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}  # what a cache stores
 
@@ -152,6 +155,163 @@ class Int8(Converted):
         return self.buffer[:rows, :, :n].copy_(values).mul_(scales)
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (uint8 (..., D/2), scales (..., D/group) in float32): symmetric absmax per group
+    of `group` numbers, scale = absmax / 7, q = round(x / scale) in -7..7, so x ~ q * scale with an
+    error of at most scale / 2 per number; two q a byte (pack_int4)."""
+    groups = x.float().unflatten(-1, (-1, group))                           # (..., D/G, G)
+    scale = groups.abs().amax(dim=-1, keepdim=True) / 7                     # (..., D/G, 1)
+    q = (groups / scale.clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-7, 7)
+    return pack_int4(q.flatten(-2)), scale[..., 0]                          # (..., D/2), (..., D/G)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integers (..., D) in -8..7 -> uint8 (..., D/2): number 2i, plus 8, in byte i's low half, number
+    2i + 1, plus 8, in its high half."""
+    q = q.to(torch.int16) + 8                                               # (..., D) in 0..15
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)            # (..., D/2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4 undone: uint8 (..., D/2) -> int8 (..., D) in -8..7."""
+    halves = torch.stack([packed & 15, packed >> 4], dim=-1)               # (..., D/2, 2)
+    return halves.flatten(-2).to(torch.int8) - 8                            # (..., D)
+
+
+def dequantize_groups(packed: torch.Tensor, scales: torch.Tensor, out=None) -> torch.Tensor:
+    """quantize_groups undone: uint8 (..., D/2) and scales (..., D/G) -> q * scale (..., D) in the
+    scales' dtype, written into `out` (..., D) if given (a view of a read buffer, say)."""
+    if out is None:
+        out = scales.new_empty(*packed.shape[:-1], 2 * packed.size(-1))    # (..., D)
+    halves = out.view(*packed.shape, 2)                                     # (..., D/2, 2)
+    halves[..., 0].copy_(packed & 15)  # (unpack_int4's numbers, plus 8, converted as they are copied)
+    halves[..., 1].copy_(packed >> 4)
+    out.view(*scales.shape, -1).sub_(8).mul_(scales.unsqueeze(-1))          # (..., D/G, G)
+    return out
+
+
+class MixedKeys(NamedTuple):
+    """What an int4 cache hands a chunk of T > 1 queries, the last T of positions 0 .. cells - 1:
+    `old`, cells 0 .. d-1 dequantized (B, heads, d, dim), and `recent`, positions start .. cells - 1
+    in full precision (B, heads, cells - start, dim): the ring's from before the chunk, then the
+    chunk's own. The query at i reads position j from `recent` if i - j < within, else from `old`
+    (`visible`); attention takes them side by side (model/attention.py, int4_chunk)."""
+
+    old: torch.Tensor
+    recent: torch.Tensor
+    start: int
+    within: int
+
+    @property
+    def cells(self) -> int:
+        return self.start + self.recent.size(2)
+
+    def visible(self, T: int, mask=None) -> torch.Tensor:
+        """Which of [old, recent]'s d + cells - start keys each query reads: (T, .), or with `mask` (bool
+        over the cells, broadcasting to (B, heads, T, cells)) and-ed in, (B or 1, heads or 1, T, .)."""
+        n, d, device = self.cells, self.old.size(2), self.old.device
+        query = torch.arange(n - T, n, device=device)[:, None]              # (T, 1)
+        old, recent = torch.arange(d, device=device), torch.arange(self.start, n, device=device)
+        rule = torch.cat([query - old >= self.within,                        # (T, d): causal too
+                          (recent <= query) & (query - recent < self.within)], dim=1)  # (T, d + n - start)
+        if mask is None:
+            return rule
+        mask = mask.reshape((1,) * (4 - mask.dim()) + mask.shape).expand(-1, -1, T, n)  # (B or 1, ., T, n)
+        return rule & torch.cat([mask[..., :d], mask[..., self.start:]], dim=-1)
+
+    def per_cell(self, weights: torch.Tensor) -> torch.Tensor:
+        """Attention weights over [old, recent] (..., T, d + cells - start) as weights over the cells
+        (..., T, cells): each (query, position) is read from one of the two, the other's weight is 0."""
+        d, n = self.old.size(2), self.cells
+        cells = weights.new_zeros(*weights.shape[:-1], n)                    # (..., T, cells)
+        cells[..., :d] += weights[..., :d]
+        cells[..., self.start:] += weights[..., d:]
+        return cells
+
+
+class Int4(Stored):
+    """Kept as int4 numbers, two a byte, with one scale (in compute_dtype) per group of `group`
+    numbers of a position and head (quantize_groups), and the last `recent` positions also as given,
+    in compute_dtype, in a ring (position p in cell p % recent): KIVI's full-precision window, a
+    query reading positions less than `recent` before it as given, older ones as int4. A one-token
+    step reads the cache so in `buffer`; a chunk reads each position as each query needs
+    (`MixedKeys`), so a prompt gives the same logits however it is fed."""
+
+    def __init__(self, rows, heads, cells, dim, device, compute_dtype, buffer, recent: int, group: int):
+        kept = [((cells, dim // 2), torch.uint8), ((cells, dim // group), compute_dtype),
+                ((recent, dim), compute_dtype)]                              # packed, scales, ring
+        self.tensors = [torch.zeros(rows, heads, *shape, dtype=dtype, device=device) for shape, dtype in kept]
+        self.batch_size, self.cells, self.dtype, self.compute_dtype = rows, cells, "int4", compute_dtype
+        self.buffer, self.recent, self.group = buffer, recent, group
+
+    def encode(self, x):
+        x = x if x.dtype == self.compute_dtype else x.to(self.compute_dtype)
+        packed, scales = quantize_groups(x, self.group)                     # (B, heads, T, D/2), (.., D/G)
+        return [packed, scales.to(self.compute_dtype), x], x
+
+    def place(self, at, parts) -> None:
+        """Every position in its cell as int4, the last `recent` also in their ring cells."""
+        packed, scales, ring = self.rows(parts[0].size(0))
+        packed.index_copy_(2, at, parts[0])
+        scales.index_copy_(2, at, parts[1])
+        if self.recent:
+            ring.index_copy_(2, at[-self.recent:] % self.recent, parts[2][:, :, -self.recent:])
+
+    def write(self, at, x, cells_read):
+        """Store x (B, heads, T, dim) at positions `at`, the last T of 0 .. cells_read - 1; return what
+        its queries read: one query, `read`; a chunk, the given keys where every query reads every
+        position as given, the dequantized cells where none does (recent 0), else `MixedKeys`."""
+        if cells_read is None:
+            raise ValueError("an int4 cache is read up to its last position (cells_read), not every cell")
+        B, T, n, R = x.size(0), x.size(2), cells_read, self.recent
+        old = max(0, n - R)  # cells 0 .. old-1: those the last query reads as int4
+        start = max(0, n - T - R + 1)  # the first position a query of the chunk reads as given
+        parts, x = self.encode(x)
+        if T > 1 and old and R:  # the ring's positions before the chunk, before it overwrites them
+            recent = torch.cat([*self.ring_slices(self.rows(B)[2], start, n - T), x], dim=2)
+        self.place(at, parts)
+        if T == 1:
+            return self.read(B, n)
+        if not old:  # positions 0 .. n-1 all in the ring, in order
+            return x if n == T else self.rows(B)[2][:, :, :n]
+        packed, scales, _ = self.rows(B)
+        old_keys = dequantize_groups(packed[:, :, :old], scales[:, :, :old], self.buffer[:B, :, :old])
+        return MixedKeys(old_keys, recent, start, R) if R else old_keys
+
+    def read(self, rows, n, one_query=True):
+        """Cells 0 .. n-1 as the query at position n - 1 reads them, in the buffer (rows, heads, n, dim):
+        the last min(recent, n) as given, from the ring, the others dequantized."""
+        given = min(self.recent, n)
+        out = self.buffer[:rows, :, :n]                                     # (rows, heads, n, dim)
+        packed, scales, ring = self.rows(rows)
+        if n > given:
+            dequantize_groups(packed[:, :, :n - given], scales[:, :, :n - given], out[:, :, :n - given])
+        at = n - given
+        for part in self.ring_slices(ring, n - given, n):
+            out[:, :, at:at + part.size(2)].copy_(part)
+            at += part.size(2)
+        return out
+
+    def ring_slices(self, ring, first: int, end: int) -> list[torch.Tensor]:
+        """Positions first .. end-1 (at most `recent`) of the ring (rows, heads, recent, dim), in order:
+        at most two slices, (rows, heads, ., dim) each."""
+        count = end - first
+        if count <= 0:
+            return []
+        cell = first % self.recent
+        head = ring[:, :, cell:min(self.recent, cell + count)]                # (rows, heads, ., dim)
+        rest = count - head.size(2)
+        return [head, ring[:, :, :rest]] if rest else [head]
+
+
+class Int4Group(GroupCache):
+    """The plain cache of a group stored as `Int4`, whose queries choose between a position's two
+    copies: the storage itself says what they read (Int4.write)."""
+
+    def write(self, stored, input_pos, x, cells_read, starts):
+        return stored.write(input_pos, x, cells_read)
+
+
 # ----------------------------------------------------------------------------- where a position goes
 
 class Ring(GroupCache):
@@ -239,6 +399,24 @@ def storage_dtype(dtype, name: str = "dtype") -> torch.dtype:
     return dtype
 
 
+def is_int4(dtype) -> bool:
+    """Whether `dtype` asks for an int4 cache: the name "int4" (torch has no int4 dtype to give)."""
+    return isinstance(dtype, str) and dtype == "int4"
+
+
+def check_int4(recent, group, key_dim: int, rings: bool) -> None:
+    """An int4 cache's options, or a ValueError naming the one that is wrong: `recent` an integer
+    from 0 (every position int4), `group` an even integer from 2 dividing the key width; no rings."""
+    if not is_integer(recent) or recent < 0:
+        raise ValueError(f"int4_recent must be an integer >= 0, got {recent!r}")
+    if not is_integer(group) or group < 2 or group % 2 or key_dim % group:
+        raise ValueError(f"int4_group must be an even integer >= 2 dividing the key width {key_dim}, "
+                         f"got {group!r}")
+    if rings:
+        raise ValueError("an int4 cache holds every position, and windowed layers keep theirs in rings: "
+                         "build it with ring=False, or in another dtype")
+
+
 def layout(windows, n_kv_head: int, key_dim: int, value_dim_in_keys: int, sinks: int) -> tuple:
     """What a model checks a cache it is handed against (GPT.forward): its groups, their windows and
     sinks, their K/V heads and widths."""
@@ -248,7 +426,8 @@ def layout(windows, n_kv_head: int, key_dim: int, value_dim_in_keys: int, sinks:
 class KVCache:
     """The model's cache: one group cache per group (`groups`), K of shape (B, n_kv_head, cells,
     key_dim) and V alike (`value_dim_in_keys=L`: each V is K's first L columns, MLA's latent), stored
-    in `dtype`, handed to attention in `compute_dtype`. `windows` gives each group's window (None:
+    in `dtype` ("int4": `Int4`, the last int4_recent positions also as given, in groups of int4_group
+    numbers), handed to attention in `compute_dtype`. `windows` gives each group's window (None:
     its layers see the whole context). A windowed group is a `Ring` of sinks + window cells when
     positions may outrun it: when sinks + window fit in max_len, or when every group has a window
     that max_len reaches (then nothing bounds the positions; a ring's sinks + window may exceed
@@ -256,15 +435,18 @@ class KVCache:
     written); cells past it hold stale values the mask hides."""
 
     def __init__(self, windows, batch_size, n_kv_head, max_len, key_dim, *, sinks=0, value_dim_in_keys=0,
-                 dtype=torch.float32, compute_dtype=None, device=None):
+                 dtype=torch.float32, compute_dtype=None, device=None, int4_recent=128, int4_group=32):
         self.windows, self.sinks = list(windows), sinks
         endless = all(w is not None and max_len >= w for w in self.windows)
         rings = [w is not None and (endless or max_len >= sinks + w) for w in self.windows]
         cells = [sinks + w if ring else max_len for w, ring in zip(self.windows, rings)]
         self.ring = all(rings)  # only rings: the cache is never full
-        dtype = storage_dtype(dtype)
+        int4 = is_int4(dtype)
+        if int4:
+            check_int4(int4_recent, int4_group, key_dim, any(rings))
+        dtype = "int4" if int4 else storage_dtype(dtype)
         self.quantized = dtype == torch.int8
-        compute_dtype = compute_dtype or (torch.float32 if self.quantized else dtype)
+        compute_dtype = compute_dtype or (torch.float32 if self.quantized or int4 else dtype)
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype!r}")
         self.dtype, self.compute_dtype = dtype, compute_dtype
@@ -279,13 +461,17 @@ class KVCache:
         def stored(name, n):  # K or V of a group of n cells
             if not self.read_buffer:
                 return Stored(batch_size, n_kv_head, n, key_dim, dtype, device)
+            if int4:  # its ring: a position is never further than max_len - 1 before a query
+                return Int4(batch_size, n_kv_head, n, key_dim, device, compute_dtype, self.read_buffer[name],
+                            min(int4_recent, max_len), int4_group)
             kind, buffer = Int8 if self.quantized else Converted, self.read_buffer[name]
             return kind(batch_size, n_kv_head, n, key_dim, dtype, device, compute_dtype, buffer)
 
         self.groups = []
         for window, ring, n in zip(self.windows, rings, cells):
             k, v = stored("k", n), None if value_dim_in_keys else stored("v", n)
-            self.groups.append(Ring(k, v, window, sinks) if ring else GroupCache(k, v))
+            plain = Int4Group if int4 else GroupCache
+            self.groups.append(Ring(k, v, window, sinks) if ring else plain(k, v))
         self.device = self.groups[0].k.tensors[0].device
         self.fitted = lambda: None  # a weak reference to the model whose layout it has (GPT.fits)
         self.length = 0
@@ -302,9 +488,13 @@ class KVCache:
     def truncate(self, n: int) -> None:
         """Keep positions 0 .. n - 1 only: the next is written at n (a chat cut back to what a turn
         shares with the last; a ring's cells before n may hold later positions, so its callers keep
-        all of it or reset it)."""
+        all of it or reset it). An int4 cache's ring of recent positions is such a ring: it keeps all
+        or none (n == 0)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"a cache of {self.length} positions cannot keep {n}")
+        if self.dtype == "int4" and n not in (0, self.length):
+            raise ValueError(f"an int4 cache keeps all its {self.length} positions or none, not {n}: its "
+                             f"ring of recent positions holds those after {n}")
         self.length = n
 
     @property
@@ -323,6 +513,8 @@ class KVCache:
         of plain groups stored in this cache's dtype, so that every layer after the first read the
         keys a row alone reads) and copied, as stored, into each of the first `rows`. Columns before
         a row's starts get its position 0 again, which the mask hides as padding."""
+        if self.dtype == "int4":  # its prefix would have been computed with a ring of its own
+            raise ValueError("an int4 cache is not filled from a prefix: feed it (share_prefix=False)")
         if prefix.dtype != self.dtype or any(group.ring for group in prefix.groups):
             raise ValueError(f"the prefix must be plain groups stored in {self.dtype}, got {prefix.dtype}")
         n = prefix.length
@@ -355,8 +547,8 @@ class KVCache:
 
     @property
     def buffers(self) -> list[torch.Tensor]:
-        """The tensors that hold the cache's memory: every K, every V that is not inside its K, and
-        an int8 cache's scales."""
+        """The tensors that hold the cache's memory: every K, every V that is not inside its K, an
+        int8 cache's scales, an int4 cache's scales and rings of recent positions."""
         return [t for _, _, stored in self.stores() for t in stored.tensors]
 
     @property

@@ -25,15 +25,20 @@ def timed_stream(model, idx, max_new_tokens: int, decoding: Decoding | None = No
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model, batch_size: int, context: int, kv_dtype=None, steps: int = 8) -> float:
-    """Tokens/s of eager one-token steps at the end of a `context`-long cache stored in kv_dtype,
-    after as many warm-up steps. The cache is filled with random numbers instead of a prefill,
-    which would cost far more than the measurement (speed does not depend on them)."""
+def decode_tokens_per_s(model, batch_size: int, context: int, kv_dtype=None, steps: int = 8,
+                        cache_options: dict | None = None) -> float:
+    """Tokens/s of eager one-token steps at the end of a `context`-long cache stored in kv_dtype
+    ("int4" too), after as many warm-up steps; `cache_options` go to new_kv_cache (int4_recent,
+    int4_group). The cache is filled with random numbers instead of a prefill, which would cost far
+    more than the measurement (speed does not depend on them)."""
     check_integer(steps, "steps", 1)
     check_integer(context, "context", 2 * steps, model.config.block_size)
-    cache = model.new_kv_cache(batch_size, context, dtype=kv_dtype)
-    for t in cache.buffers:
-        t.normal_() if t.is_floating_point() else t.random_(-127, 128)
+    cache = model.new_kv_cache(batch_size, context, dtype=kv_dtype, **(cache_options or {}))
+    for t in cache.buffers:  # (an int4 cache's bytes: two numbers each)
+        if t.is_floating_point():
+            t.normal_()
+        else:
+            t.random_(0, 256) if t.dtype == torch.uint8 else t.random_(-127, 128)
     cache.advance(context - 2 * steps)
     token = torch.zeros(batch_size, 1, dtype=torch.long, device=model.wte.weight.device)
     for _ in range(steps):  # warm-up

@@ -114,7 +114,7 @@ def test_an_all_window_cache_rings_whenever_its_window_fits_max_len(window, sink
 @pytest.mark.parametrize("dtype,compute_dtype,message", [
     (torch.int32, None, "dtype must be one of float32, bfloat16, int8"),
     (torch.float16, None, "dtype must be one of"),
-    ("int4", None, "dtype must be one of"),
+    ("int5", None, "dtype must be one of"),
     (torch.int8, torch.int8, "compute_dtype must be a floating-point dtype"),
 ])
 def test_a_cache_built_directly_refuses_a_dtype_it_cannot_hold(dtype, compute_dtype, message):
