@@ -19,6 +19,8 @@ ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_
 class GPTConfig(CoreConfig):
     mla_latent_dim: int | None = None  # set: multi-head latent attention, K/V from a latent this wide
     mla_rope_dim: int = 0  # MLA: width of the decoupled RoPE key shared by all heads
+    mla_kv_norm: bool = True  # MLA: the latent normalised (DeepSeek's); false: used as projected (a retrofit)
+    mla_rope_pairs: list[int] | None = None  # MLA: the RoPE key's pairs' indices in the head_dim-wide table
     kv_share: int = 1  # adjacent layers sharing one K/V (cross-layer attention); 1: each its own
     attn_window: int | None = None  # set: a query sees the last attn_window positions, its own included
     window_pattern: str | None = None  # per layer S (within attn_window) or L (all), tiled; None: all S
@@ -55,10 +57,14 @@ class GPTConfig(CoreConfig):
 
     def check_mla(self) -> None:
         check_int(self, "mla_rope_dim", 0)
+        if not isinstance(self.mla_kv_norm, bool):
+            raise ValueError(f"GPTConfig.mla_kv_norm must be true or false, got {self.mla_kv_norm!r}")
         if self.mla_latent_dim is None:
-            if self.mla_rope_dim:
-                raise ValueError(f"GPTConfig.mla_rope_dim={self.mla_rope_dim} is for multi-head latent "
-                                 f"attention: set mla_latent_dim too (or attention=mla)")
+            for name, value in (("mla_rope_dim", self.mla_rope_dim), ("mla_kv_norm", not self.mla_kv_norm),
+                                ("mla_rope_pairs", self.mla_rope_pairs is not None)):
+                if value:
+                    raise ValueError(f"GPTConfig.{name}={getattr(self, name)!r} is for multi-head latent "
+                                     f"attention: set mla_latent_dim too (or attention=mla)")
             return
         check_int(self, "mla_latent_dim", 1)
         for name in ("mla_latent_dim", "mla_rope_dim"):  # (allocated per layer: n_embd x width, and more)
@@ -77,6 +83,23 @@ class GPTConfig(CoreConfig):
             raise ValueError(f"GPTConfig.mla_rope_dim must be even and > 0 with pos_emb='rope' and "
                              f"multi-head latent attention: the RoPE key carries the positions; "
                              f"got {self.mla_rope_dim}")
+        self.check_rope_pairs()
+
+    def check_rope_pairs(self) -> None:
+        """mla_rope_pairs: null, or with RoPE one index of the head_dim-wide frequency table per pair
+        of the RoPE key (mla_rope_dim / 2), as a retrofit (model/retrofit.py) keeps the heads' pairs."""
+        pairs, half = self.mla_rope_pairs, self.head_dim // 2
+        if pairs is None:
+            return
+        if self.pos_emb != "rope":
+            raise ValueError(f"GPTConfig.mla_rope_pairs is for pos_emb='rope' (the RoPE key's "
+                             f"frequencies), got pos_emb={self.pos_emb!r}: leave it null")
+        if not isinstance(pairs, typing.Sequence) or isinstance(pairs, str) or len(pairs) != \
+                self.mla_rope_dim // 2 or not all(is_integer(i) and 0 <= i < half for i in pairs):
+            raise ValueError(f"GPTConfig.mla_rope_pairs must be null or mla_rope_dim / 2 = "
+                             f"{self.mla_rope_dim // 2} indices, each an integer in 0..{half - 1} "
+                             f"(head_dim / 2 - 1), got {pairs!r:.200}")
+        self.mla_rope_pairs = [int(i) for i in pairs]  # (a plain list, as a checkpoint keeps it)
 
     def check_windows(self) -> None:
         check_int(self, "attn_sinks", 0)

@@ -79,6 +79,10 @@ def deepseek_v3_weights(model) -> tuple[dict, dict]:
     if c.mla_latent_dim is None:
         raise ValueError("a DeepseekV3 needs model.mla_latent_dim (multi-head latent attention), this "
                          "model has null")
+    if not c.mla_kv_norm or c.mla_rope_pairs is not None:  # (a retrofit's latent and RoPE key)
+        raise ValueError("a DeepseekV3 needs model.mla_kv_norm=true and model.mla_rope_pairs=null (its "
+                         "normalised latent and its own RoPE frequencies), this model has "
+                         f"{c.mla_kv_norm} and {c.mla_rope_pairs!r:.80}")
     config, state = llama_layout(model, "DeepseekV3", {"attn_window": None, "norm_eps": 1e-6})
     hd, L = c.head_dim, c.mla_latent_dim
     config |= {"q_lora_rank": None, "kv_lora_rank": L, "qk_rope_head_dim": c.mla_rope_dim,

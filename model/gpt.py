@@ -13,7 +13,7 @@ from model.attention import CausalSelfAttention
 from model.config import GPTConfig, check_integer
 from model.core.gpt import GPT as CoreGPT
 from model.core.gpt import Block as CoreBlock
-from model.kv_cache import KVCache, layout, storage_dtype
+from model.kv_cache import KVCache, is_int4, layout, storage_dtype
 from model.latent import LatentAttention
 from model.pretrained import FAMILIES, read_folder
 from model.rope import rope_at
@@ -49,6 +49,8 @@ class GPT(CoreGPT):
         self.window_groups = {w: config.kv_windows.index(w) for w in dict.fromkeys(config.windows)}
         scaling = None if config.rope_scaling is None else tuple(config.rope_scaling)
         self.rope = (config.rope_dim, config.rope_base, scaling)  # rope_at's arguments after the positions
+        if config.mla_rope_pairs is not None:  # a retrofit's RoPE key: chosen pairs of the heads' table
+            self.rope = (config.head_dim, config.rope_base, scaling, tuple(config.mla_rope_pairs))
         # The layouts of the caches this model reads (KVCache.layout): its windows as rings, or none
         self.kv_layouts = {layout(windows, *self.kv_shape(), config.attn_sinks)
                            for windows in (config.kv_windows, [None] * config.kv_layers)}
@@ -112,23 +114,26 @@ class GPT(CoreGPT):
         c = self.config
         return 6 * self.num_params() + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None,
-                     ring: bool = True) -> KVCache:
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, dtype=None, ring: bool = True, *,
+                     int4_recent: int = 128, int4_group: int = 32) -> KVCache:
         """A cache sized for this model, on its device, handing attention its dtype; it stores in
         `dtype` (by default the model's; else float32, bfloat16 or int8, a torch dtype or its name;
-        int8: one scale per position and K/V head). max_len (default block_size) is the positions
-        the cache must hold. A windowed layer holds at most its window (and the sinks), in a ring that
-        takes positions without end; with ring=False, every layer holds max_len positions."""
+        int8: one scale per position and K/V head; "int4": a scale per int4_group numbers, and the
+        last int4_recent positions as given, which a query reads so (kv_cache.Int4)). max_len (default
+        block_size) is the positions the cache must hold. A windowed layer holds at most its window
+        (and the sinks), in a ring that takes positions without end; with ring=False, every layer
+        holds max_len positions (an int4 cache needs that of a windowed model)."""
         c = self.config
         max_len = c.block_size if max_len is None else max_len
         check_integer(batch_size, "batch_size", 1)
         check_integer(max_len, "max_len", 1, c.block_size)
         weight = self.wte.weight
-        dtype = weight.dtype if dtype is None else storage_dtype(dtype)
+        dtype = weight.dtype if dtype is None else dtype if is_int4(dtype) else storage_dtype(dtype)
         windows = c.kv_windows if ring else [None] * c.kv_layers
         n_kv_head, key_dim, value_dim_in_keys = self.kv_shape()
         return KVCache(windows, batch_size, n_kv_head, max_len, key_dim, value_dim_in_keys=value_dim_in_keys,
-                       sinks=c.attn_sinks, dtype=dtype, compute_dtype=weight.dtype, device=weight.device)
+                       sinks=c.attn_sinks, dtype=dtype, compute_dtype=weight.dtype, device=weight.device,
+                       int4_recent=int4_recent, int4_group=int4_group)
 
     def kv_shape(self) -> tuple[int, int, int]:
         """(K/V heads, key width, value width inside the key or 0) of this model's cache: K and V per

@@ -30,7 +30,8 @@ class LatentAttention(CausalSelfAttention):
         self.q = nn.Linear(config.n_embd, config.n_head * (hd + R), bias=config.bias)  # per head: [q, q_r]
         if self.makes_kv:
             self.kv_down = nn.Linear(config.n_embd, L + R, bias=config.bias)  # [c before its norm, k_r]
-            self.kv_norm = make_norm(config, L)
+            # (mla_kv_norm false: a retrofit's latent, a linear factorisation of the old K/V, used as made)
+            self.kv_norm = make_norm(config, L) if config.mla_kv_norm else nn.Identity()
         # Per head, the key then the value up-projection. A Parameter, not a Linear: the absorbed form
         # multiplies by it per head (and int8 decoding, which converts Linears, leaves it alone).
         self.kv_up = nn.Parameter(torch.randn(2 * config.n_head * hd, L) * 0.02)  # (2 * n_head * hd, L)

@@ -138,9 +138,9 @@ def test_the_imports_have_no_circle():
 # its public face, sits on top). A new file takes its place here, which is where a reader finds
 # the order to read them in.
 MODEL_ORDER = ["core", "config", "device", "kv_cache", "quantize", "windows", "kernels", "attention",
-               "latent", "rope", "pretrained", "gpt", "gguf", "checkpoint", "convert", "loading", "sampling",
-               "prefill", "step_package", "decode_step", "recorder", "generation", "conversation", "timing",
-               "__init__"]
+               "latent", "rope", "pretrained", "gpt", "gguf", "checkpoint", "convert", "retrofit", "loading",
+               "sampling", "prefill", "step_package", "decode_step", "recorder", "generation", "conversation",
+               "timing", "__init__"]
 MODEL_FILES = sorted((ROOT / "model").glob("*.py"))
 
 
