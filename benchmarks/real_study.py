@@ -104,10 +104,10 @@ def parse_args(argv=None):
     p.add_argument("--int4-group", type=int, default=32, help="numbers sharing one int4 scale")
     p.add_argument("--latent", type=int, nargs="+", default=[96, 48], help="MLA retrofit latent widths d_c")
     p.add_argument("--rope-pairs", type=int, default=4, help="RoPE frequency pairs each K/V head keeps (MLA)")
-    p.add_argument("--steps", type=int, default=24, help="uptraining steps per uptrained row (0: none)")
+    p.add_argument("--steps", type=int, default=20, help="uptraining steps per uptrained row (0: none)")
     p.add_argument("--batch", type=int, default=2, help="uptraining sequences per step")
     p.add_argument("--train-context", type=int, default=256, help="tokens per uptraining sequence")
-    p.add_argument("--lr", type=float, default=1e-4, help="uptraining's peak learning rate (AdamW)")
+    p.add_argument("--lr", type=float, default=3e-4, help="uptraining's peak learning rate (AdamW)")
     p.add_argument("--device", default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:1, ...")
     p.add_argument("--out", help="the output folder (default: ./outputs/real_study/<the model's name>)")
     return p.parse_args(argv)
@@ -274,10 +274,11 @@ def uptrain(model, train_ids, args, device) -> None:
 
 def run(args) -> None:
     check_args(args)
-    with naming("--ckpt"):
-        base, ckpt = load_model(args.ckpt, "cpu", Precision("float32", None))  # converted on the CPU
     with naming("--device", "device"):
         device = pick_device(args.device)
+    with naming("--ckpt"):  # (on the CPU first: on CUDA, load_model would pad the output layer's rows)
+        base, ckpt = load_model(args.ckpt, "cpu", Precision("float32", None))
+    base = base.to(device)
     tokenizer = tokenizer_from_meta(ckpt.data_meta)
     train_ids, val_ids = split_text(args, tokenizer)
     out = Path(args.out or Path("outputs", "real_study", Path(args.ckpt).stem)).expanduser()

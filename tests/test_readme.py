@@ -29,6 +29,10 @@ APPENDED = {  # what each command line gets appended (last wins in Hydra's overr
                                       "study.decode_batch_sizes=[1,2]", "study.window=[]",
                                       "study.local_global=[]", "study.sinks=[]"],
     "generate.py": ["max_new_tokens=8"],
+    # the tiny Llama's block is 96 and its heads 16 wide (8 RoPE pairs); 64 held-out tokens, 1 step
+    "benchmarks/real_study.py": ["--context", "32", "--eval-tokens", "64", "--windows", "8", "--latent",
+                                 "12", "--rope-pairs", "2", "--int4-group", "8", "--int4-recent", "4",
+                                 "--steps", "1", "--train-context", "16"],
 }
 SKIPPED = ("pip ", "pytest")  # the environment is installed already, and the suite is running
 
@@ -60,7 +64,8 @@ def tiny(command: str, run: str, hf_dir: str) -> str:
                .replace("outputs/mha_run", run))
     for placeholder, name in folders.items():
         command = command.replace(placeholder, f"{hf_dir}/{name}")
-    script = re.search(r"(train\.py|generate\.py|benchmarks/attention_study\.py)", command)
+    script = re.search(r"(train\.py|generate\.py|benchmarks/attention_study\.py|benchmarks/real_study\.py)",
+                       command)
     appended = APPENDED[script.group(1)] if script else []
     if "train.resume=" in command:  # a resumed run keeps its model: model=tiny would change it
         appended = [o for o in appended if not o.startswith("model=")]
