@@ -32,10 +32,8 @@ keep. So does the StreamingLLM experiment: each `study.sinks` variant's full-att
 with the window at inference, with and without the sinks.
 
 MHA -> GQA/MQA conversion (mean-pooling K/V heads) is measured too: each seed's MHA model is
-converted to `study.uptrain_to` and uptrained for `study.uptrain_iters` steps. There is no
-MHA -> MLA conversion: our MLA keeps positions only in a narrow RoPE key shared by all heads,
-while an MHA with RoPE rotates every dimension of every head's key, so a low-rank factorisation of
-its K/V projections (as in MHA2MLA) drops the positions and needs a partial-RoPE retraining first.
+converted to `study.uptrain_to` and uptrained for `study.uptrain_iters` steps. MHA -> MLA (MHA2MLA's
+partial RoPE and SVD), and what every conversion costs a pretrained model: benchmarks/real_study.py.
 """
 
 import dataclasses

@@ -2,7 +2,7 @@
 (a Hugging Face folder, a GGUF file, or a run of ours with RoPE) scored as it is and through each
 way of shrinking its cache, training-free and uptrained, on the same held-out text.
 
-    python benchmarks/real_study.py --ckpt path/to/SmolLM2-135M-Instruct         # ~20 min on 2 CPU cores
+    python benchmarks/real_study.py --ckpt path/to/SmolLM2-135M-Instruct         # ~19 min on 2 CPU cores
     python benchmarks/real_study.py --ckpt path/to/SmolLM2-135M-Instruct --steps 1000 --device cuda
 
 The text is TinyShakespeare's (or --text FILE's) last 10%, in the model's own tokenizer, cut into
