@@ -49,7 +49,6 @@ sys.path.insert(0, str(ROOT))  # the GPU machine runs it from a checkout, not an
 from cli.errors import ArgumentParser, exit_on_user_error, naming  # noqa: E402
 from data.prepare import TINYSHAKESPEARE_PATH, read_text_files  # noqa: E402
 from data.tokenizer import tokenizer_from_meta  # noqa: E402
-from model import GPT  # noqa: E402
 from model.checkpoint import write_atomically  # noqa: E402
 from model.config import check_integer  # noqa: E402
 from model.device import Precision, pick_device  # noqa: E402
@@ -59,6 +58,7 @@ from model.retrofit import (  # noqa: E402
     check_retrofit,
     mla_retrofit,
     pool_kv_heads,
+    rebuilt,
     rope_pair_scores,
     share_kv,
 )
@@ -140,9 +140,7 @@ def windowed(model, window: int, sinks: int):
 
 def with_config(model, **fields):
     """A copy of the model whose config has `fields` changed (the weights as they are)."""
-    new = GPT(dataclasses.replace(model.config, **fields))
-    new.load_state_dict(model.state_dict())
-    return new.eval().requires_grad_(False)
+    return rebuilt(model, dataclasses.replace(model.config, **fields), model.state_dict())
 
 
 def study_rows(args, config, scores) -> list[Row]:
