@@ -85,6 +85,7 @@ def test_a_run_stopped_part_way_keeps_its_rows_when_started_again(study, capsys)
     (["--lr", "0"], "--lr"),
     (["--text", "/no/such/file.txt"], "--text"),
     (["--ckpt", "/no/such/folder"], "--ckpt"),
+    (["--device", "cuda"], "--device"),          # the suite hides CUDA
 ])
 def test_each_option_is_refused_in_one_line_naming_it_before_anything_is_scored(folder, tmp_path, change,
                                                                                  option, capsys):
