@@ -8,6 +8,7 @@ import torch
 
 from cli.errors import naming
 from model import GPT
+from model.device import on_meta
 from model.generation import Decoding, left_pad
 from model.timing import timed_stream
 from training.plots import pyplot, write_figure
@@ -56,7 +57,7 @@ def meta_cache(config, dtype, kv_dtype=None, positions=None):
     """The KV cache a model of `config` in `dtype` makes for one sequence of `positions` (default
     block_size), stored in kv_dtype (None: dtype), on the meta device: its shapes, no memory (a
     real model's cache at full context can take gigabytes)."""
-    with torch.device("meta"):
+    with on_meta():
         return GPT(config).to(dtype).new_kv_cache(1, positions, dtype=kv_dtype)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from model.config import GPTConfig
+from model.device import on_meta
 from model.gpt import GPT
 from model.pretrained import FOLDER_FILES, WEIGHT_FILES, folder_family, is_finite, read_config
 
@@ -254,7 +255,7 @@ def check_weights(weights: dict, expected: dict) -> None:
 
 def expected_weights(config: GPTConfig) -> dict:
     """The state dict a GPT of `config` has, as meta tensors: shapes only, no memory, no init."""
-    with torch.device("meta"):
+    with on_meta():
         return GPT(config).state_dict()
 
 

@@ -1,12 +1,15 @@
 """Where and in what precision a model runs. Here: the device a name picks (CPU, CUDA, Apple's
-MPS), its memory, the precision a model decodes in, and a clock that waits for the device."""
+MPS), its memory, the precision a model decodes in, a clock that waits for the device, and the meta
+device a model is built on for its shapes alone."""
 
+import contextlib
 import os
 import re
 import time
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -107,3 +110,21 @@ def synchronized_clock(device: torch.device):
         return time.perf_counter()
 
     return clock
+
+
+class SkipWeightInit(TorchFunctionMode):
+    """Calls of torch.nn.init's functions return their tensor untouched (on the meta device it holds
+    no values to fill)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Modules built inside are on the meta device: their shapes, no memory and no initialisation
+    (a meta tensor's normal_ imports torch's compiler: a second of a command's start)."""
+    with torch.device("meta"), SkipWeightInit():
+        yield

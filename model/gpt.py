@@ -13,6 +13,7 @@ from model.attention import CausalSelfAttention
 from model.config import GPTConfig, check_integer
 from model.core.gpt import GPT as CoreGPT
 from model.core.gpt import Block as CoreBlock
+from model.device import on_meta
 from model.kv_cache import KVCache, is_int4, layout, storage_dtype
 from model.latent import LatentAttention
 from model.pretrained import FAMILIES, read_folder
@@ -68,7 +69,7 @@ class GPT(CoreGPT):
         Built on the meta device and then given memory, so no weight is initialised only to be
         overwritten (seconds at a billion parameters) nor held twice. A state that does not fit is a
         ValueError naming `source` (the file read) and `kind` (the model it should be)."""
-        with torch.device("meta"):
+        with on_meta():
             model = cls(config).to(dtype)
         model.to_empty(device="cpu")
         if config.tie_embeddings:

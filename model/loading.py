@@ -7,10 +7,8 @@
 import dataclasses
 from pathlib import Path
 
-import torch
-
 from model.checkpoint import Checkpoint, is_pretrained, load, load_weights, pretrained_checkpoint
-from model.device import AUTO_PRECISION, DTYPES, Precision, pick_device
+from model.device import AUTO_PRECISION, DTYPES, Precision, on_meta, pick_device
 from model.gguf import gguf_config, is_gguf, read_gguf
 from model.gpt import GPT
 from model.pretrained import folder_config, folder_dtype
@@ -27,7 +25,7 @@ def load_model(path, device="auto", precision: Precision = AUTO_PRECISION):
         path = Path(path).expanduser()
         device = pick_device(device) if isinstance(device, str) else device
         own_dtype = "float32" if gguf else folder_dtype(path)  # (a GGUF's weights: dequantized to float32)
-        with torch.device("meta"):
+        with on_meta():
             n_params = GPT(gguf_config(path) if gguf else folder_config(path)[1]).num_params()
         dtype = DTYPES[precision.on(device, n_params, own_dtype)[0]]
         model = read_gguf(path, dtype) if gguf else GPT.from_pretrained(path, dtype=dtype)

@@ -103,14 +103,26 @@ def test_model_imports_only_torch_its_file_readers_and_itself():
     assert not outside
 
 
-def test_importing_the_project_loads_no_compiler():
+MODEL_BUILDS = """
+import sys, torch, model, data, training.loop, cli.options, generate
+from cli.report import meta_cache
+from model.config import GPTConfig
+small = model.GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=11))
+state = {k: v for k, v in small.state_dict().items() if k != "lm_head.weight"}  # (tied to wte)
+read = model.GPT.from_state(small.config, state, torch.float32, "a state", "GPT")
+assert all(torch.equal(v, read.state_dict()[k]) for k, v in small.state_dict().items())
+cache = meta_cache(small.config, torch.float32)
+print(sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules))
+"""
+
+
+def test_importing_the_project_and_reading_a_model_loads_no_compiler():
     """torch.compile's machinery (dynamo, inductor: ~2 s of imports) loads only when something
-    compiles, so every command starts, and a bad option fails, without it."""
-    modules = "model, data, training.loop, cli.options, generate"
-    compilers = "('torch._dynamo', 'torch._inductor')"
-    result = subprocess.run([sys.executable, "-c", f"import sys, {modules}; "
-                             f"print(sorted(m for m in {compilers} if m in sys.modules))"],
-                            cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=120)
+    compiles, so every command starts, and a bad option fails, without it; nor does a model read
+    from its weights (built on the meta device first) or a cache sized on the meta device, so
+    generate.py samples without it."""
+    result = subprocess.run([sys.executable, "-c", MODEL_BUILDS], cwd=ROOT, env=clean_env(),
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
 

@@ -1,10 +1,13 @@
-"""model/device.py: device names (CPU, CUDA, MPS) and the precision a model decodes in."""
+"""model/device.py: device names (CPU, CUDA, MPS), the precision a model decodes in, and models built
+on the meta device."""
 
 
 import pytest
 import torch
 
-from model.device import Precision, check_device, pick_device
+from model import GPT
+from model.device import Precision, check_device, on_meta, pick_device
+from tests.helpers import tiny_config
 
 
 def test_pick_device_names_the_option():
@@ -78,3 +81,21 @@ def test_precision_names_the_option(device, dtype, quantize, message):
 def test_mps_is_a_device_name_and_its_absence_one_line():
     with pytest.raises(ValueError, match=r"^device=mps but PyTorch's MPS backend is not available here"):
         pick_device("mps")
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pos_emb": "rope", "n_kv_head": 1}, {"mla_latent_dim": 8}])
+def test_a_model_built_on_meta_has_every_shape_and_nothing_else(overrides):
+    """on_meta: every parameter and buffer a model has, in its shape and dtype, on the meta device
+    (no memory, no values drawn); the random numbers of a model built after it are those of one built
+    without it; outside it, init works as before."""
+    torch.manual_seed(0)
+    with on_meta():
+        shapes = GPT(tiny_config(**overrides))
+    real = GPT(tiny_config(**overrides))
+    assert {k: (v.shape, v.dtype) for k, v in shapes.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in real.state_dict().items()}
+    assert all(v.is_meta for v in shapes.state_dict().values())
+    torch.manual_seed(0)
+    again = GPT(tiny_config(**overrides))
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in real.state_dict().items())
+    assert real.wte.weight.std() > 0.01 and torch.nn.init.normal_(torch.zeros(4)).abs().sum() > 0
