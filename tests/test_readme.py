@@ -1,16 +1,17 @@
 """README.md and docs/*.md: every shell command in their ```bash blocks runs as written, each
-file's in order, with tiny models and a few steps appended where a command would train or sample
-long. The README's first training run is the run the other files' placeholders name; after it,
-the files run side by side, each in a folder of its own. conftest starts them in the background
-when the session starts: each is mostly process start-up, on the core the in-process tests leave
-idle."""
+file's in order (a command shown twice, once), with tiny models and a few steps appended where a
+command would train or sample long. The README's first training run is the run the other files'
+placeholders name; after it, the files run one after another, each in a folder of its own, each
+`python ...` a process forked from one that has imported torch and Hydra (tests/forked_commands.py).
+conftest starts them in the background when the session starts, on the core the in-process tests
+leave idle."""
 
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -93,17 +94,22 @@ def folder(tmp_path, name: str):
     return work
 
 
-def run_all(commands: list[str], cwd, env) -> None:
-    for command in commands:
-        # `ulimit -f unlimited`: a full-disk test lowers this process's file-size limit for a moment,
-        # and a command started meanwhile would inherit it.
-        result = subprocess.run(["bash", "-c", f"ulimit -f unlimited; {command}"], cwd=cwd, env=env,
-                                capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
-        assert result.returncode == 0, f"{command}\n{result.stderr[-3000:]}"
+def run_all(lanes: list, env) -> None:
+    """Each (folder, commands) of `lanes` in turn, its commands one after another in it, each
+    `python ...` a process forked from one that has imported torch and Hydra already
+    (tests/forked_commands.py), any other through bash."""
+    lanes = [(str(cwd), commands) for cwd, commands in lanes if commands]
+    runner = subprocess.run([sys.executable, str(ROOT / "tests" / "forked_commands.py"), json.dumps(lanes)],
+                            env=env, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
+    results = [json.loads(line) for line in runner.stdout.splitlines()]
+    assert runner.returncode == 0, runner.stderr[-3000:]
+    for result in results:
+        assert result["returncode"] == 0, f"{result['command']}\n{result['stderr'][-3000:]}"
+    assert [r["command"] for r in results] == [c for _, commands in lanes for c in commands]
 
 
 def run_every_command(tmp_path):
-    """The README's commands in order, then each docs page's in order, two pages at a time: set up
+    """The README's commands in order, then each docs page's in order, one page after another: set up
     here (the GPT-2 directory, the environment), in the calling thread, and returned as the function
     that runs them (conftest runs it in a thread of its own, beside the suite)."""
     hf_dir = str(tmp_path / "hf")
@@ -119,13 +125,12 @@ def run_every_command(tmp_path):
     def run_commands() -> None:
         readme = folder(tmp_path, "readme")
         first, *rest = dict.fromkeys(bash_commands(ROOT / "README.md"))  # a command shown twice runs once
-        run_all([tiny(first, "outputs/none-yet", hf_dir)], readme, env)
+        run_all([(readme, [tiny(first, "outputs/none-yet", hf_dir)])], env)
         run = str(next((readme / "outputs").glob("*/*")))  # the run later commands name
-        lanes = [(readme, rest)] + [(folder(tmp_path, path.stem), bash_commands(path)) for path in DOCS[1:]]
-        with ThreadPoolExecutor(max_workers=1) as pool:  # one lane at a time: the suite has the other core
-            for done in [pool.submit(run_all, [tiny(c, run, hf_dir) for c in commands], cwd, env)
-                         for cwd, commands in lanes]:
-                done.result()
+        lanes, shown = [(readme, rest)], {first, *rest}
+        for path in DOCS[1:]:  # each page in a folder of its own, without the commands the README runs
+            lanes.append((folder(tmp_path, path.stem), [c for c in bash_commands(path) if c not in shown]))
+        run_all([(cwd, [tiny(c, run, hf_dir) for c in commands]) for cwd, commands in lanes], env)
 
     return run_commands
 
