@@ -10,6 +10,9 @@ import torch
 from tests.helpers import FOREIGN_ENV, compose, data_config
 
 torch.set_num_threads(1)  # the suite runs on 2 cores; subprocess tests use the other one
+# A compile here, or in a command the suite runs, compiles in its own process: inductor's pool of
+# worker processes (one a core, each importing torch) costs more seconds on 2 cores than it saves.
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 
 def pytest_addoption(parser):
@@ -27,6 +30,11 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """Marks the CUDA checks to skip (or, with --gpu, the others), and runs last the modules of the tests
+    that wait for what started_with_the_session runs beside the suite: by then it has had the suite's
+    time (whole modules, so that their fixtures are made once)."""
+    waiting = {item.module for item in items if {"started_run", "int8_package"} & set(item.fixturenames)}
+    items.sort(key=lambda item: item.module in waiting)  # (a stable sort: each keeps its order)
     gpu = config.getoption("--gpu")
     reason = "CPU tests run without --gpu" if gpu else "a CUDA check: pytest --gpu tests/test_gpu.py on a GPU"
     for item in items:
@@ -159,21 +167,22 @@ def tiny_ckpt(tiny_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def started_with_the_session(request, hermetic_env, tmp_path_factory):
     """The tests that run many commands (every README and docs command; every command of the GPU
-    plan; a compile on a full disk; the int8 step's package) start them when the session starts, each
-    in a background thread, beside the rest of the suite (a command is mostly process start-up, on the
-    core the in-process tests leave idle); each test waits for its own. Yields {test name: the future
-    of its run} for the tests selected."""
+    plan; a compile on a full disk; the int8 step's package) start them when the session starts, one
+    after another in a background thread, beside the rest of the suite (on the core the in-process
+    tests leave idle: more at a time would slow those); each test waits for its own. Yields {test
+    name: the future of its run} for the tests selected."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.model.test_step_package import run_a_compile_on_a_full_disk
     from tests.test_gpu_plan import run_the_plan
     from tests.test_readme import run_every_command
 
-    starts = {"test_every_command_of_the_readme_and_docs_runs_as_written": run_every_command,
-              "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan,
+    starts = {"int8 package": build_int8_package,  # (for the tests that use the int8_package fixture)
               "test_a_write_refused_while_compiling_is_one_line_and_leaves_nothing_cut_short":
                   run_a_compile_on_a_full_disk,
-              "int8 package": build_int8_package}  # (for the tests that use the int8_package fixture)
+              "test_every_command_of_the_plan_runs_on_the_cpu_without_datasets": run_the_plan,
+              "test_every_command_of_the_readme_and_docs_runs_as_written": run_every_command}  # (in the
+    # order the suite reaches their tests)
     selected = set() if request.config.getoption("--gpu") else {item.name for item in request.session.items}
     if selected and any("int8_package" in item.fixturenames for item in request.session.items):
         selected.add("int8 package")
@@ -182,7 +191,7 @@ def started_with_the_session(request, hermetic_env, tmp_path_factory):
         request.getfixturevalue("char_data")  # the corpus the plan's commands find prepared
     # Each is set up here, in this thread (its environment, what it imports), and only runs in its own.
     runs = {name: start(tmp_path_factory.mktemp("commands")) for name, start in wanted.items()}
-    with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
+    with ThreadPoolExecutor(max_workers=1) as pool:  # one after another, on the core the suite leaves
         futures = {name: pool.submit(run) for name, run in runs.items()}
         yield futures
         for future in futures.values():
