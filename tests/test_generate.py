@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -45,13 +46,19 @@ def test_cli_streams_one_sample(tiny_ckpt):
     assert result.stdout.startswith("ROMEO:") and len(result.stdout) >= 46
 
 
+@pytest.fixture(scope="module")
+def gpt2_bpe() -> BPETokenizer:
+    """GPT-2's BPE, read once for the module (its ranks take a fifth of a second to read and check)."""
+    return BPETokenizer()
+
+
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_samples_print_their_whole_text_streamed_or_not(kind, rows):
+def test_samples_print_their_whole_text_streamed_or_not(kind, rows, gpt2_bpe):
     """The tokens of text with multi-byte characters, one per step as `stream` yields them: a single
     sample streams exactly its final text (no U+FFFD for a character cut across tokens), several
     print theirs at the end; a stop string ends each at its end."""
-    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else BPETokenizer()
+    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else gpt2_bpe
     steps = [torch.tensor([token] * rows) for token in tok.encode(MULTI_BYTE)]
     for stop, text in [(None, MULTI_BYTE), ("”", MULTI_BYTE[:MULTI_BYTE.index("”") + 1])]:
         out = io.StringIO()
@@ -61,16 +68,23 @@ def test_samples_print_their_whole_text_streamed_or_not(kind, rows):
         assert out.getvalue() == printed
 
 
-def test_cli_cache_and_no_cache_agree(tiny_ckpt):
-    outs = [generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=20", "seed=3",
-                         f"kv_cache={kv}").stdout for kv in ("true", "false")]
-    assert outs[0] == outs[1] and outs[0]
+@pytest.fixture(scope="module")
+def seeded_cli(tiny_ckpt):
+    """`generate.py` with prompt ROMEO:, 20 new tokens from seed 3 (within block_size), through its KV
+    cache: one run, which the uncached run and the Python API are each compared with."""
+    return generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=20", "seed=3", "kv_cache=true")
 
 
-def test_sample_from_python_equals_the_cli(tiny_ckpt, capsys):
-    texts = sample(GenerateConfig(ckpt=str(tiny_ckpt), prompt="ROMEO:", max_new_tokens=20, seed=3))
-    cli = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=20", "seed=3")
-    assert texts == [cli.stdout.rstrip("\n")] and capsys.readouterr().out == cli.stdout
+def test_cli_cache_and_no_cache_agree(tiny_ckpt, seeded_cli):
+    uncached = generate_cli(f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=20", "seed=3",
+                            "kv_cache=false")
+    assert seeded_cli.stdout == uncached.stdout and seeded_cli.stdout
+
+
+def test_sample_from_python_equals_the_cli(tiny_ckpt, seeded_cli, capsys):
+    texts = sample(GenerateConfig(ckpt=str(tiny_ckpt), prompt="ROMEO:", max_new_tokens=20, seed=3,
+                                  kv_cache=True))
+    assert texts == [seeded_cli.stdout.rstrip("\n")] and capsys.readouterr().out == seeded_cli.stdout
 
 
 def test_cli_prompt_file_and_samples(tiny_ckpt, tmp_path):
@@ -223,15 +237,38 @@ def test_cli_bad_input_is_one_line_error(tiny_ckpt, args, message):
     assert_one_line_error(generate_cli(f"ckpt={tiny_ckpt}", *args), message)
 
 
-def test_a_sigterm_ends_a_long_sample_at_once_and_what_it_printed_stays(tiny_ckpt):
-    """A sample as long as max_new_tokens allows (minutes here), streamed as it grows: SIGTERM ends the
-    process within seconds, and the text printed before it was written out as it came (flushed)."""
-    proc = start_cli("generate.py", f"ckpt={tiny_ckpt}", "prompt=ROMEO:", "max_new_tokens=1000000")
+SIGTERM_TEST = "test_a_sigterm_ends_a_long_sample_at_once_and_what_it_printed_stays"
+
+
+def sigterm_once_it_printed(proc) -> tuple:
+    """SIGTERM to a sample's process once it has printed 200 characters: (those characters, its
+    result, the seconds from the signal to its end)."""
     printed = proc.stdout.read(200)  # the prompt and the first new tokens: there before the signal
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     result = finish(proc, timeout=60)
-    assert result.returncode == -signal.SIGTERM and time.monotonic() - signalled < 10, result.stderr[-2000:]
+    return printed, result, time.monotonic() - signalled
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sigterm_run(request):
+    """The future of sigterm_once_it_printed for a sample as long as max_new_tokens allows, started
+    with this module's first test and signalled by a thread (the seconds its process spends starting
+    are spent beside the module's other tests, in this process); None where its test is not selected."""
+    if not any(item.name == SIGTERM_TEST for item in request.session.items):
+        yield None
+        return
+    ckpt = request.getfixturevalue("tiny_ckpt")
+    proc = start_cli("generate.py", f"ckpt={ckpt}", "prompt=ROMEO:", "max_new_tokens=1000000")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool.submit(sigterm_once_it_printed, proc)
+
+
+def test_a_sigterm_ends_a_long_sample_at_once_and_what_it_printed_stays(sigterm_run):
+    """A sample as long as max_new_tokens allows (minutes here), streamed as it grows: SIGTERM ends the
+    process within seconds, and the text printed before it was written out as it came (flushed)."""
+    printed, result, seconds = sigterm_run.result()
+    assert result.returncode == -signal.SIGTERM and seconds < 10, result.stderr[-2000:]
     assert printed.startswith("ROMEO:") and len(printed) == 200
 
 

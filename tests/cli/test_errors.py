@@ -48,9 +48,11 @@ def entry_point_runs(request, tmp_path_factory):
 
 # Bad files, folders and combinations on the command line: each stops before any work with one
 # line naming what to fix (a value out of range takes the same path: ENTRY_POINTS above, and
-# tests/test_configs.py for every range). {tmp} is the test's folder, {file} a plain file in it.
+# tests/test_configs.py for every range). {tmp} is the test's folder, {file} a plain file in it, {text}
+# a text file of 200 characters (a corpus that prepares in a moment, where TinyShakespeare takes seconds).
 BAD_INPUTS = [
-    (["train.py", "data.val_fraction=0"], "model.block_size=64 is too long for the val split (0 tokens)"),
+    (["train.py", "data=text_files", "data.path={text}", "data.val_fraction=0"],
+     "model.block_size=64 is too long for the val split (0 tokens)"),
     (["train.py", "data=text_files"], "data.path is not set"),
     (["train.py", "data=text_files", "data.path={tmp}/missing.txt"], "data.path: no such file"),
     (["train.py", "data=text_files", "data.path={file}"], "is not UTF-8 text: byte 0xff at offset 4"),
@@ -98,9 +100,10 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("args, message", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
 def test_bad_input_is_one_line_naming_what_to_fix(args, message, tmp_path):
     (tmp_path / "file").write_bytes(b"text\xff\xfe binary")
+    (tmp_path / "text.txt").write_text("some text\n" * 20)
     home = tmp_path / "home"  # no ~/.netrc: no wandb API key
     home.mkdir()
-    args = [a.format(tmp=tmp_path, file=tmp_path / "file") for a in args]
+    args = [a.format(tmp=tmp_path, file=tmp_path / "file", text=tmp_path / "text.txt") for a in args]
     if args[0] == "train.py" and not any(a.startswith("hydra.run.dir=") for a in args):
         args.append(f"hydra.run.dir={tmp_path / 'run'}")
     message = message.format(tmp=tmp_path, file=tmp_path / "file")

@@ -51,8 +51,15 @@ def test_bpe_split_matches_nanogpt(bpe_data):
     assert train.dtype == np.uint16
 
 
-def test_gpt2_bpe_facts():
-    tok = BPETokenizer()
+@pytest.fixture(scope="module")
+def gpt2_bpe() -> BPETokenizer:
+    """GPT-2's BPE, read once for the module's tests (its ranks take a fifth of a second to read and
+    check; tiktoken's Encoding holds no state between calls)."""
+    return BPETokenizer()
+
+
+def test_gpt2_bpe_facts(gpt2_bpe):
+    tok = gpt2_bpe
     assert tok.vocab_size == 50257 and tok.eot_token == 50256
     assert tok.encode("Hello world") == [15496, 995]  # GPT-2's well-known ids
 
@@ -119,11 +126,11 @@ def test_a_missing_or_broken_tokenizer_json_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_text_stream_pieces_join_to_the_decoded_text(kind):
+def test_text_stream_pieces_join_to_the_decoded_text(kind, gpt2_bpe):
     """Tokens one at a time: what has been streamed is always a prefix of the whole text, and all of
     it equals `decode`. For BPE, also random runs of single-byte tokens: characters cut at every
     byte, and bytes that never make a character (U+FFFD, as decode gives)."""
-    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else BPETokenizer()
+    tok = CharTokenizer.from_text(MULTI_BYTE) if kind == "char" else gpt2_bpe
     sequences = [tok.encode(MULTI_BYTE)]
     if kind == "bpe":
         byte_tokens = [tok.encoding.encode_single_token(bytes([b])) for b in range(256)]
@@ -146,10 +153,10 @@ def test_char_oov_error_names_the_characters():
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
-def test_an_id_outside_the_vocabulary_is_refused_not_read_from_the_end(kind):
+def test_an_id_outside_the_vocabulary_is_refused_not_read_from_the_end(kind, gpt2_bpe):
     """-1 is not the last character (a list's index), nor vocab_size tiktoken's KeyError or 2**64
     its OverflowError: each is a ValueError naming the id, in decode and token_bytes alike."""
-    tok = CharTokenizer.from_text("abc") if kind == "char" else BPETokenizer()
+    tok = CharTokenizer.from_text("abc") if kind == "char" else gpt2_bpe
     last = tok.vocab_size - 1
     assert tok.decode([0, last]) == tok.decode(np.array([0, last])) == tok.decode(torch.tensor([0, last]))
     for ids in ([-1], [tok.vocab_size], [0, 2**64], [1.0]):
@@ -213,16 +220,42 @@ def run_prepare(*overrides):
     return run_in_process("-m", "cli.prepare", *overrides)
 
 
-def test_the_shipped_data_needs_no_network_no_variables_and_no_home(tmp_path, monkeypatch):
-    """A fresh machine: an empty home, no network, no settings: both built-in corpora prepare (GPT-2's
-    BPE in a new process, where nothing of the tokenizer is loaded yet)."""
-    home = tmp_path / "home"
+SHIPPED_DATA = "test_the_shipped_data_needs_no_network_no_variables_and_no_home"
+
+
+def fresh_machine(home) -> dict:
+    """The environment of a fresh machine: an empty home, no network, no settings (and no KVGPT_CACHE:
+    the callers unset it)."""
+    return {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def bpe_on_a_fresh_machine(request, tmp_path_factory):
+    """(home, process) of the shipped-data test's new process, `python -m cli.prepare
+    data=shakespeare_bpe` on a fresh machine (fresh_machine, KVGPT_CACHE unset), started with this
+    module's first test: the seconds it spends starting and preparing are spent beside the module's
+    other tests, in this process; that test awaits it. None where that test is not selected."""
+    if not any(item.name == SHIPPED_DATA for item in request.session.items):
+        yield None
+        return
+    home = tmp_path_factory.mktemp("fresh_machine") / "home"
     home.mkdir()
-    env = {"HOME": str(home), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
-           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("KVGPT_CACHE")  # (start_cli hands the command this process's environment)
+        proc = start_cli("-m", "cli.prepare", "data=shakespeare_bpe", env=fresh_machine(home))
+    yield home, proc
+    if proc.returncode is None:  # not awaited: its test failed before
+        proc.kill()
+        proc.communicate()
+
+
+def test_the_shipped_data_needs_no_network_no_variables_and_no_home(bpe_on_a_fresh_machine, monkeypatch):
+    """A fresh machine: an empty home, no network, no settings: both built-in corpora prepare (GPT-2's
+    BPE in a new process, where nothing of the tokenizer is loaded yet, started with the module)."""
+    home, bpe = bpe_on_a_fresh_machine
     monkeypatch.delenv("KVGPT_CACHE")
-    bpe = start_cli("-m", "cli.prepare", "data=shakespeare_bpe", env=env)
-    char = run_in_process("-m", "cli.prepare", "data=shakespeare_char", env=env)  # meanwhile
+    char = run_in_process("-m", "cli.prepare", "data=shakespeare_char", env=fresh_machine(home))
     bpe = finish(bpe)
     for result, tokens in [(char, "1,003,854 train"), (bpe, "301,966 train")]:
         assert result.returncode == 0 and tokens in result.stdout, result.stderr[-2000:]
@@ -412,15 +445,19 @@ def test_the_temp_folder_of_a_killed_preparation_goes_when_the_folder_is_prepare
 @functools.cache
 def gpt2_tokenizer_json() -> str:
     """GPT-2's BPE as a tokenizer.json holds it (the Hub's openai-community/gpt2), from our shipped
-    ranks: each token's merge recovered by running the BPE over its bytes with the ranks below its own."""
+    ranks: each token's merge recovered by running the BPE over its bytes with the ranks below its own,
+    which ends in two such tokens (where only one cut of the token makes two, the BPE can end nowhere
+    else: that cut, without running it)."""
     from data.tokenizer import BYTE_LEVEL, gpt2_encoding
 
     encoding, text = gpt2_encoding(), {b: c for c, b in BYTE_LEVEL.items()}
     tokens = [encoding.decode_single_token_bytes(i) for i in range(50256)]
     ranks = {token: i for i, token in enumerate(tokens)}
     merges = []
-    for rank in range(256, 50256):
-        parts = [bytes([b]) for b in tokens[rank]]
+    for rank, token in enumerate(tokens[256:], start=256):
+        cuts = [i for i in range(1, len(token))
+                if max(ranks.get(token[:i], rank), ranks.get(token[i:], rank)) < rank]
+        parts = [token[:cuts[0]], token[cuts[0]:]] if len(cuts) == 1 else [bytes([b]) for b in token]
         while len(parts) > 2:
             _, at = min((ranks.get(a + b, math.inf), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
             parts[at:at + 2] = [parts[at] + parts[at + 1]]
@@ -445,11 +482,11 @@ def gpt2_tokenizer_json() -> str:
     lambda t: t.update(post_processor={"type": "TemplateProcessing", "single": [], "pair": [],
                                        "special_tokens": {}}),
 ], ids=["gpt2", "merges", "prefix_space", "normalizer", "dropout", "ids", "post_processor"])
-def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
+def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil, gpt2_bpe):
     """is_gpt2_bpe: the Hub's GPT-2 tokenizer.json encodes every text as our shipped ranks do (one
     tokenizer: a GPT-2 folder holding it finetunes on data of GPT-2's BPE); one setting or token
     changed, it is another tokenizer."""
-    from data.tokenizer import BPETokenizer, HFTokenizer, is_gpt2_bpe
+    from data.tokenizer import HFTokenizer, is_gpt2_bpe
 
     tokenizer = json.loads(gpt2_tokenizer_json())
     if spoil is not None:
@@ -458,19 +495,19 @@ def test_gpt2s_own_bpe_is_told_from_any_other_tokenizer(tmp_path, spoil):
     assert is_gpt2_bpe(tmp_path / "tokenizer.json") == (spoil is None)
     if spoil is None:
         text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[:3000] + " 12345 ’s  \n\t"
-        assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
+        assert HFTokenizer(tmp_path / "tokenizer.json").encode(text) == gpt2_bpe.encode(text)
         (tmp_path / "tokenizer.json").write_text("{not json")
         assert not is_gpt2_bpe(tmp_path / "tokenizer.json")
 
 
-def test_a_gpt2_folders_vocab_and_merges_are_its_tokenizer_where_it_has_no_tokenizer_json(tmp_path):
+def test_a_gpt2_folders_vocab_and_merges_are_its_tokenizer_where_it_has_no_tokenizer_json(tmp_path, gpt2_bpe):
     """A GPT-2 saved with transformers' slow tokenizer holds vocab.json and merges.txt, no
     tokenizer.json: they are its tokenizer (a byte-level BPE), encoding as transformers' GPT2Tokenizer
     reads the same files, and GPT-2's own pair is GPT-2's BPE (is_gpt2_bpe); a folder with neither
     is one line saying what it lacks."""
     from transformers import GPT2Tokenizer
 
-    from data.tokenizer import BPETokenizer, HFTokenizer, is_gpt2_bpe
+    from data.tokenizer import HFTokenizer, is_gpt2_bpe
 
     text = (ROOT / "data" / "assets" / "tinyshakespeare.txt").read_text()[-2000:] + " 12345 ’s  \n\t"
     for name, source in (("small", json.loads(shakespeare_tokenizer())),
@@ -484,6 +521,6 @@ def test_a_gpt2_folders_vocab_and_merges_are_its_tokenizer_where_it_has_no_token
         theirs = GPT2Tokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
         assert ours.encode(text) == theirs.encode(text) and ours.decode(ours.encode(text)) == text
         assert is_gpt2_bpe(folder / "tokenizer.json") == (name == "gpt2")
-    assert HFTokenizer(tmp_path / "gpt2" / "tokenizer.json").encode(text) == BPETokenizer().encode(text)
+    assert HFTokenizer(tmp_path / "gpt2" / "tokenizer.json").encode(text) == gpt2_bpe.encode(text)
     with pytest.raises(FileNotFoundError, match=r"no tokenizer.json in .* \(nor vocab.json and merges.txt\)"):
         HFTokenizer(tmp_path / "tokenizer.json")

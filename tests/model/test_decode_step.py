@@ -47,7 +47,7 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
     from torch._dynamo.utils import counters
 
     model, _ = load_model(tiny_ckpt, "cpu")
-    window = tiny_model(pos_emb="rope", attn_window=6)
+    window = tiny_model(pos_emb="rope", attn_window=6, n_layer=1)  # (one layer: traced in half the time)
     window_eager = generate(window, [[1, 2]], 72, temperature=0, kv_dtype=torch.int8)[0]
     graphs = counters["stats"]["unique_graphs"]  # dynamo's count since the process started
     step = CompiledDecodeStep(model, batch_size=3, backend="aot_eager")  # (traced when made)
@@ -80,8 +80,9 @@ def test_one_compiled_step_and_one_static_cache_serve_every_call(tiny_ckpt):
 def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
     """The step's one graph (aot_eager: dynamo and AOTAutograd trace it, with no code generated)
     over sinks beside int8 rings, learned sink logits and global layers: the eager step's tokens,
-    past block_size (24) where the model generates past it."""
-    model = cache_kind_model(ENDLESS.get(kind) or BOUNDED[kind])
+    past block_size (24) where the model generates past it. (The endless model has one layer: a
+    second, another ring like it, would only double the seconds of tracing.)"""
+    model = cache_kind_model(ENDLESS[kind] | {"n_layer": 1} if kind in ENDLESS else BOUNDED[kind])
     step = CompiledDecodeStep(model, batch_size=2, kv_dtype=torch.int8, backend="aot_eager")
     prompts, n = [[1, 2], [3, 4, 5, 6, 7]], 24 + 8 if kind in ENDLESS else 24 - 5
     eager, compiled = (generate(model, prompts, n, temperature=0, kv_dtype=torch.int8, decode_step=d)
@@ -93,8 +94,9 @@ def test_the_compiled_step_traces_sinks_and_local_global_layers(kind):
 def test_a_compiled_step_whose_refill_empties_the_cache_gives_the_eager_tokens(block_size):
     """Blocks so short that a refill keeps no token (block_size // 2 - 1 = 0): the next step reads
     one cell, a size the step's graph was not compiled for and is not called with (it runs no guard
-    that would catch it): the eager step's tokens, sampled and greedy, refilling many times over."""
-    model = tiny_model(block_size=block_size)
+    that would catch it): the eager step's tokens, sampled and greedy, refilling many times over.
+    (One layer: the refill is the cache's, whatever the layers.)"""
+    model = tiny_model(block_size=block_size, n_layer=1)
     step = CompiledDecodeStep(model, batch_size=2, backend="aot_eager")
     for sampling in ({"temperature": 0}, {"temperature": 1.0}):
         eager, compiled = (generate(model, [[1, 2], [2, 3]], 12, decode_step=d, **sampling,
