@@ -6,11 +6,12 @@ import itertools
 import json
 import re
 import resource
-import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.helpers import (
     assert_one_line_error,
     clean_env,
     compose,
+    disk_full_after,
     finish,
     hf_gpt2,
     read_metrics,
@@ -35,37 +37,58 @@ from training.loop import lr_at
 from training.run_dir import run_files
 
 
-def small_disk():
-    """In a child: writes past 60 kB fail (RLIMIT_FSIZE), as on a full disk."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
-
-
 def small_memory():
     """In a child: at most 2 GiB of address space (RLIMIT_AS, as `ulimit -v 2097152`), ~1 GiB more
     than a tiny run's imports take."""
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
 
 
-# The processes of tests that need nothing but a folder, started with this module's first test
-# (started_early): their seconds of imports and training run beside the tests before them, most
-# of which leave a core idle.
-STARTED_EARLY = {  # test: how to start its process, given tiny_run and a folder
-    "test_a_full_disk_is_one_line_and_leaves_no_temp_file": lambda tiny_run, run_dir: start_cli(
-        "train.py", *tiny_run, f"hydra.run.dir={run_dir}", preexec_fn=small_disk),
-    "test_an_allocation_that_fails_is_one_line_naming_the_batch_size": lambda tiny_run, run_dir: start_cli(
-        "train.py", *tiny_run, "train.batch_size=80000", "train.eval_iters=1", "train.max_iters=1",
-        f"hydra.run.dir={run_dir}", preexec_fn=small_memory),
-    "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir: start_cli(
+def sigterm_in(overrides: list, started: str):
+    """How test_a_sigterm_in_any_phase_... runs its process: `python train.py <overrides>`, given SIGTERM
+    0.5 s into the phase its first line starting with `started` begins. Returns its result, its output
+    before that line and the seconds from the signal to its end."""
+    def run(tiny_run, run_dir, start):
+        proc = start("train.py", *tiny_run, *overrides, f"hydra.run.dir={run_dir}")
+        seen = list(itertools.takewhile(lambda line: not line.startswith(started), proc.stdout))
+        time.sleep(0.5)  # inside the phase
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        result = finish(proc, timeout=120)
+        return result, "".join(seen), time.monotonic() - signalled
+    return run
+
+
+# The processes of tests that need nothing but a folder, run with this module's first test
+# (started_early), one after another: their seconds of imports and training run beside the tests
+# before them, on the core those leave idle; the tests that wait for them come last. The SIGTERM
+# cases first, beside in-process tests (they must end within seconds of the signal); then the
+# torchrun jobs (3 processes each).
+STARTED_EARLY = {  # test: its process, run to its end given tiny_run, a folder and start (start_cli's)
+    # 10,000 batches a split (~50 s here); the first evaluation starts once the model is built
+    "test_a_sigterm_in_any_phase_ends_the_run_within_seconds[evaluation]": sigterm_in(
+        ["train.eval_iters=10000", "train.batch_size=32"], "model: "),
+    # 10,000 tokens of an 8-layer model (~25 s here), after the last evaluation
+    "test_a_sigterm_in_any_phase_ends_the_run_within_seconds[sample]": sigterm_in(
+        ["train.max_iters=1", "train.sample_tokens=10000", "model.n_layer=8", "model.n_embd=128"],
+        "step 1: train loss"),
+    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir, start: finish(start(
+        "-c", DDP_RUNS.format(tiny_run=[*tiny_run, "train.batch_size=4", "train.full_val=true"],
+                              run_dir=str(run_dir)), env={"OMP_NUM_THREADS": "1"})),
+    "test_an_error_under_torchrun_is_one_line_from_the_first_process": lambda tiny_run, run_dir, start:
+        finish(start("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+                     *tiny_run, "train.device=mps", f"hydra.run.dir={run_dir}/run",
+                     env={"OMP_NUM_THREADS": "1"})),
+    "test_an_allocation_that_fails_is_one_line_naming_the_batch_size": lambda tiny_run, run_dir, start:
+        finish(start("train.py", *tiny_run, "train.batch_size=80000", "train.eval_iters=1",
+                     "train.max_iters=1", f"hydra.run.dir={run_dir}", preexec_fn=small_memory)),
+    "test_wandb_is_not_imported_when_disabled": lambda tiny_run, run_dir, start: finish(start(
         "-c", "import sys; from tests.helpers import compose, train_checked; "
               f"train_checked(compose(*{[*tiny_run, 'train.max_iters=1']!r}), {str(run_dir)!r}); "
-              "print('wandb' in sys.modules)"),
-    "test_an_error_under_torchrun_is_one_line_from_the_first_process": lambda tiny_run, run_dir: start_cli(
-        "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *tiny_run,
-        "train.device=mps", f"hydra.run.dir={run_dir}/run", env={"OMP_NUM_THREADS": "1"}),
-    "test_ddp_two_processes_match_one": lambda tiny_run, run_dir: start_cli("-c", DDP_RUNS.format(
-        tiny_run=[*tiny_run, "train.batch_size=4", "train.full_val=true"], run_dir=str(run_dir)),
-        env={"OMP_NUM_THREADS": "1"}),
+              "print('wandb' in sys.modules)")),
 }
+# Held while a process of STARTED_EARLY starts: a test that sets a limit on this process holds it, so
+# that none starts with it.
+EARLY_STARTS = threading.Lock()
 # A torchrun job with 2 processes into run_dir/two, then resumed, again in 2, into run_dir/resumed:
 # the resumed job once hung at exit 1 time in 3 (the DDP wrapper outlived its process group).
 DDP_RUNS = """import subprocess, sys
@@ -75,26 +98,71 @@ sys.exit(code or subprocess.run([*torchrun, "train.resume={run_dir}/two", "train
                                  "hydra.run.dir={run_dir}/resumed"], timeout=120).returncode)"""
 
 
+class EarlyRun:
+    """An entry of STARTED_EARLY and its arguments: run in started_early's thread or, if it has not
+    begun there, by the first test that asks for its result (which would otherwise wait, idle)."""
+
+    def __init__(self, run, *args):
+        self.run, self.args, self.begun, self.future = run, args, threading.Lock(), Future()
+
+    def begin(self) -> None:
+        """Run it in this thread, unless it has begun in another."""
+        if self.begun.acquire(blocking=False):
+            try:
+                self.future.set_result(self.run(*self.args))
+            except BaseException as e:  # noqa: BLE001  raised in the test that asks for the result
+                self.future.set_exception(e)
+
+    def result(self):
+        self.begin()
+        return self.future.result()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def started_early(request, tiny_run, tmp_path_factory):
-    """{test: (its process, its folder)} for the tests of STARTED_EARLY this session runs."""
-    selected = {item.originalname for item in request.session.items}
+    """{test: (its entry of STARTED_EARLY, an EarlyRun; its folder)} for the tests of STARTED_EARLY
+    this session runs. One process at a time, in a background thread: on 2 cores they take the one
+    the tests leave idle, and a test that reaches one not yet begun runs it beside. (Started all at
+    once, they were 9 processes with torchrun's launchers and workers, which took the tests' core too:
+    the tests beside them ran 4-8 times slower, the [mla] case of
+    test_a_resume_that_would_change_the_model_... 10 s instead of 2.5.)"""
+    selected = {item.name for item in request.session.items}
+    stopping, procs = threading.Event(), []
+
+    def start(*args, **kwargs) -> subprocess.Popen:
+        with EARLY_STARTS:
+            if stopping.is_set():
+                raise RuntimeError("not started: this module's tests have ended")
+            procs.append(start_cli(*args, **kwargs))
+            return procs[-1]
+
     runs = {}
-    for name, start in STARTED_EARLY.items():
+    for name, run in STARTED_EARLY.items():
         if name in selected:
             run_dir = tmp_path_factory.mktemp("early")
-            runs[name] = (start(tiny_run, run_dir), run_dir)
+            runs[name] = (EarlyRun(run, tiny_run, run_dir, start), run_dir)
+
+    def in_order():
+        for early, _ in runs.values():
+            if not stopping.is_set():
+                early.begin()
+
+    thread = threading.Thread(target=in_order, name="STARTED_EARLY")
+    thread.start()
     yield runs
-    for proc, _ in runs.values():
-        if proc.returncode is None:  # not awaited: its test failed before
-            proc.terminate()  # torchrun passes it on to its processes
-            finish(proc, timeout=60)
+    with EARLY_STARTS:  # not awaited: its test failed before
+        stopping.set()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()  # torchrun passes it on to its processes
+    thread.join()
 
 
 @pytest.fixture
 def early_run(request, started_early):
-    """This test's process of STARTED_EARLY, and its folder."""
-    return started_early[request.node.originalname]
+    """This test's EarlyRun (its result: what its entry of STARTED_EARLY returns, once its process has
+    ended), and its folder."""
+    return started_early[request.node.name]
 
 
 def test_training_writes_the_run_dir(tiny_run, tmp_path):
@@ -331,16 +399,32 @@ def start_training(tiny_run, run_dir, *overrides) -> subprocess.Popen:
     raise AssertionError(proc.communicate()[1][-2000:])
 
 
+@pytest.fixture(scope="module")
+def interrupted_run(tiny_run, tmp_path_factory) -> dict:
+    """`python train.py` (1 layer, lr 5e-3: not the defaults), Ctrl-C'd (SIGINT) once it has taken 3
+    steps; first, while it trains, another run asked into its run dir (in this process). The one
+    process of both tests that need a run in progress: {"run_dir", "result": the process's
+    CompletedProcess, "in_use": the other run's, "running": whether the first still ran after it}."""
+    run_dir = tmp_path_factory.mktemp("interrupted") / "run"
+    proc = start_training(tiny_run, run_dir, "model.n_layer=1", "train.lr=5e-3")
+    try:  # Hydra wrote .hydra/ once the run dir was claimed: another process trains there from then on
+        in_use = run_in_process("train.py", *tiny_run, f"hydra.run.dir={run_dir}")
+        running = proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    return {"run_dir": run_dir, "result": subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+            "in_use": in_use, "running": running}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130)])  # SIGTERM: test_a_sigterm_in_any_phase_...
-def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run, tmp_path, sig, code):
-    run_dir = tmp_path / "run"
-    proc = start_training(tiny_run, run_dir, "model.n_layer=1", "train.lr=5e-3")  # not the defaults
-    proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err
-    assert "Traceback" not in err
-    hint = out.split("continue with: ")[1].split()
+def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(interrupted_run, tmp_path):
+    """Ctrl-C (SIGINT; SIGTERM: test_a_sigterm_in_any_phase_...) between steps: exit 130, ckpt.pt
+    saved, and the command that continues it, which works as given."""
+    run_dir, result = interrupted_run["run_dir"], interrupted_run["result"]
+    assert result.returncode == 130, result.stderr
+    assert "Traceback" not in result.stderr
+    hint = result.stdout.split("continue with: ")[1].split()
     assert hint == ["python", "train.py", f"train.resume={run_dir}"]
     step = checkpoint.load(run_dir).step
     assert step >= 3
@@ -359,34 +443,6 @@ def test_an_interrupted_run_saves_says_how_to_resume_and_the_hint_works(tiny_run
                                  f"asks for 2")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("phase, overrides, started", [
-    # 10,000 batches a split (~50 s here); the first evaluation starts once the model is built
-    ("evaluation", ["train.eval_iters=10000", "train.batch_size=32"], "model: "),
-    # 10,000 tokens of an 8-layer model (~25 s here), after the last evaluation
-    ("sample", ["train.max_iters=1", "train.sample_tokens=10000", "model.n_layer=8", "model.n_embd=128"],
-     "step 1: train loss"),
-])
-def test_a_sigterm_in_any_phase_ends_the_run_within_seconds(tiny_run, tmp_path, phase, overrides, started):
-    """Not only between steps: a SIGTERM during an evaluation ends it within a batch, records nothing
-    of it and saves ckpt.pt to resume from; one during the sample at the end ends the sample there,
-    the run complete. Either way exit code 143, seconds after the signal."""
-    proc = start_cli("train.py", *tiny_run, *overrides, f"hydra.run.dir={tmp_path}")
-    seen = list(itertools.takewhile(lambda line: not line.startswith(started), proc.stdout))
-    time.sleep(0.5)  # inside the phase
-    signalled = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "Traceback" not in err, "".join(seen) + out + err[-2000:]
-    assert time.monotonic() - signalled < 10
-    if phase == "evaluation":  # saved, with the hint to resume that test_an_interrupted_run_... follows
-        assert "SIGTERM: saved" in out and checkpoint.load(tmp_path).step == 0
-        assert out.split("continue with: ")[1].split() == ["python", "train.py", f"train.resume={tmp_path}"]
-        assert not (tmp_path / "metrics.jsonl").exists()  # its losses, partial, are nobody's
-    else:
-        assert "\n--- stopped by SIGTERM ---\n" in out and "best val loss" in out
-
-
 @pytest.mark.parametrize("script, after_s", [("train.py", 0.5), ("train.py", 2.5), ("generate.py", 1.5)])
 def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_s):
     """Ctrl-C while the imports load, Hydra composes or the data is read: exit 130, no traceback."""
@@ -401,48 +457,31 @@ def test_ctrl_c_during_start_up_ends_quietly(tiny_ckpt, tmp_path, script, after_
 
 
 @pytest.mark.slow
-def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, tiny_ckpt, tmp_path):
-    first = subprocess.Popen([sys.executable, "train.py", *tiny_run, "train.max_iters=100000",
-                              "train.eval_interval=100000", f"hydra.run.dir={tmp_path}"],
-                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=clean_env(), preexec_fn=default_sigint)
-    try:  # Hydra writes .hydra/ once the run dir is claimed: another process trains there from then on
-        deadline = time.monotonic() + 120
-        while not (tmp_path / ".hydra" / "overrides.yaml").exists() and first.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)
-        second = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
-        assert first.poll() is None, first.communicate()[1][-2000:]
-    finally:
-        first.send_signal(signal.SIGINT)
-        first.communicate(timeout=60)
-    assert_one_line_error(second, f"hydra.run.dir={tmp_path} is in use: another process is training there")
+def test_a_run_dir_holding_a_run_or_in_use_is_refused_and_left_as_it_was(tiny_run, interrupted_run):
+    """A run asked into the run dir of one training there (interrupted_run's, while it trained) is
+    refused; and into it once that run has ended (its ckpt.pt and .hydra/ there): every file stays."""
+    run_dir, first = interrupted_run["run_dir"], interrupted_run["result"]
+    assert interrupted_run["running"], first.stderr[-2000:]
+    assert_one_line_error(interrupted_run["in_use"],
+                          f"hydra.run.dir={run_dir} is in use: another process is training there")
 
-    shutil.copytree(tiny_ckpt, tmp_path, dirs_exist_ok=True)  # a run there now, with the .hydra/ above
-    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
-    assert any(p.parent.name == ".hydra" for p in before)
-    third = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
-    assert_one_line_error(third, f"hydra.run.dir={tmp_path} already holds a run (ckpt.pt), which this one "
-                                 f"would overwrite: continue it with train.resume={tmp_path}")
-    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # .hydra/ too
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert run_dir / "ckpt.pt" in before and any(p.parent.name == ".hydra" for p in before)
+    third = run_in_process("train.py", *tiny_run, f"hydra.run.dir={run_dir}")
+    assert_one_line_error(third, f"hydra.run.dir={run_dir} already holds a run (ckpt.pt), which this one "
+                                 f"would overwrite: continue it with train.resume={run_dir}")
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # .hydra/ too
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_temp_file(early_run):
-    """`python train.py` where writes past 60 kB fail (small_disk): the first checkpoint (~130 kB)
-    cannot be written."""
-    proc, run_dir = early_run
-    assert_one_line_error(finish(proc), f"error: hydra.run.dir: cannot write checkpoint {run_dir}/ckpt.pt: "
-                                        f"File too large")
-    assert not [p for p in run_dir.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
-
-
-def test_an_allocation_that_fails_is_one_line_naming_the_batch_size(early_run):
-    """A batch of 80,000 x 32 tokens (~9 GiB a step, by check_fits's count) in 2 GiB of address space
-    (small_memory): the allocator's failure, which check_fits cannot foresee under a limit below the
-    machine's memory, is one line saying what to lower (on a machine of less than ~9 GiB, check_fits's
-    own line says it first)."""
-    result = finish(early_run[0])
-    assert_one_line_error(result, "lower train.batch_size")
+def test_a_full_disk_is_one_line_and_leaves_no_temp_file(tiny_run, tmp_path):
+    """`python train.py` (in this process) where writes past 60 kB fail (disk_full_after): the first
+    checkpoint (~130 kB) cannot be written. No process of STARTED_EARLY starts meanwhile (EARLY_STARTS):
+    it would inherit the limit."""
+    with EARLY_STARTS, disk_full_after(60_000):
+        result = run_in_process("train.py", *tiny_run, f"hydra.run.dir={tmp_path}")
+    assert_one_line_error(result, f"error: hydra.run.dir: cannot write checkpoint {tmp_path}/ckpt.pt: "
+                                  f"File too large")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".best.pt", ".ckpt.pt"))]
 
 
 def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
@@ -457,22 +496,6 @@ def test_wandb_offline_writes_the_run(tiny_run, tmp_path, monkeypatch):
     assert b"tokens_per_s" in record_log and b"n_kv_head" in record_log  # metrics and config
 
 
-def test_wandb_is_not_imported_when_disabled(early_run):
-    """A run in a new process (STARTED_EARLY) says whether wandb is among its modules."""
-    result = finish(early_run[0])
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == "False"
-
-
-def test_an_error_under_torchrun_is_one_line_from_the_first_process(early_run):
-    """Every process checks the same options and exits 1; the first alone says what is wrong (here
-    train.device=mps: no MPS on this machine, or, on one with MPS, no torchrun for it)."""
-    result = finish(early_run[0])
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1 and "device=mps" in errors[0], result.stderr[-2000:]
-    assert not (early_run[1] / "run").exists()
-
-
 def test_a_timing_run_saves_no_checkpoint(tiny_run, tmp_path):
     """train.checkpoints=false: no best.pt or ckpt.pt at evaluations or the end (their writes would
     count in the time to a loss), the same losses, and the run says so."""
@@ -483,13 +506,46 @@ def test_a_timing_run_saves_no_checkpoint(tiny_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_multirun_sweeps_the_three_variants(tiny_run, tmp_path):
+    result = run_in_process("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
+                            f"hydra.sweep.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert len(runs) == 3 and all(any(v in r for r in runs) for v in ("mha", "gqa", "mqa"))
+    kv_heads = {checkpoint.load(tmp_path / r).model_config.n_kv_head for r in runs}
+    assert kv_heads == {4, 2, 1}
+    again = run_in_process("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
+    assert_one_line_error(again, f"hydra.sweep.dir={tmp_path} already holds runs")
+
+
+# The tests that wait for a process of STARTED_EARLY, in its order.
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["evaluation", "sample"])
+def test_a_sigterm_in_any_phase_ends_the_run_within_seconds(early_run, phase):
+    """Not only between steps: a SIGTERM during an evaluation ends it within a batch, records nothing
+    of it and saves ckpt.pt to resume from; one during the sample at the end ends the sample there,
+    the run complete. Either way exit code 143, seconds after the signal (STARTED_EARLY's process)."""
+    early, run_dir = early_run
+    result, seen, after_signal = early.result()
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 143 and "Traceback" not in err, seen + out + err[-2000:]
+    assert after_signal < 10
+    if phase == "evaluation":  # saved, with the hint to resume that test_an_interrupted_run_... follows
+        assert "SIGTERM: saved" in out and checkpoint.load(run_dir).step == 0
+        assert out.split("continue with: ")[1].split() == ["python", "train.py", f"train.resume={run_dir}"]
+        assert not (run_dir / "metrics.jsonl").exists()  # its losses, partial, are nobody's
+    else:
+        assert "\n--- stopped by SIGTERM ---\n" in out and "best val loss" in out
+
+
+@pytest.mark.slow
 def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
     """torchrun with 2 processes of batch 4 (STARTED_EARLY), and one process of batch 8."""
     one = run_in_process("train.py", *tiny_run, "train.batch_size=8", "train.full_val=true",
                          f"hydra.run.dir={tmp_path}")
     assert one.returncode == 0, one.stderr
     two, early_dir = early_run
-    two, two_dir = finish(two), early_dir / "two"
+    two, two_dir = two.result(), early_dir / "two"
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = read_metrics(tmp_path), read_metrics(two_dir)
     assert [m["step"] for m in a] == [m["step"] for m in b]  # rank 0 alone wrote metrics
@@ -508,14 +564,26 @@ def test_ddp_two_processes_match_one(tiny_run, tmp_path, early_run):
     assert steps[-1] == 14 and steps == [m["step"] for m in read_metrics(early_dir / "resumed")]
 
 
-@pytest.mark.slow
-def test_multirun_sweeps_the_three_variants(tiny_run, tmp_path):
-    result = run_in_process("train.py", "-m", "attention=mha,gqa,mqa", *tiny_run, "train.max_iters=2",
-                            f"hydra.sweep.dir={tmp_path}")
+def test_an_error_under_torchrun_is_one_line_from_the_first_process(early_run):
+    """Every process checks the same options and exits 1; the first alone says what is wrong (here
+    train.device=mps: no MPS on this machine, or, on one with MPS, no torchrun for it)."""
+    result = early_run[0].result()
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1 and "device=mps" in errors[0], result.stderr[-2000:]
+    assert not (early_run[1] / "run").exists()
+
+
+def test_an_allocation_that_fails_is_one_line_naming_the_batch_size(early_run):
+    """A batch of 80,000 x 32 tokens (~9 GiB a step, by check_fits's count) in 2 GiB of address space
+    (small_memory): the allocator's failure, which check_fits cannot foresee under a limit below the
+    machine's memory, is one line saying what to lower (on a machine of less than ~9 GiB, check_fits's
+    own line says it first)."""
+    result = early_run[0].result()
+    assert_one_line_error(result, "lower train.batch_size")
+
+
+def test_wandb_is_not_imported_when_disabled(early_run):
+    """A run in a new process (STARTED_EARLY) says whether wandb is among its modules."""
+    result = early_run[0].result()
     assert result.returncode == 0, result.stderr[-2000:]
-    runs = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
-    assert len(runs) == 3 and all(any(v in r for r in runs) for v in ("mha", "gqa", "mqa"))
-    kv_heads = {checkpoint.load(tmp_path / r).model_config.n_kv_head for r in runs}
-    assert kv_heads == {4, 2, 1}
-    again = run_in_process("train.py", "-m", "attention=mha,gqa", *tiny_run, f"hydra.sweep.dir={tmp_path}")
-    assert_one_line_error(again, f"hydra.sweep.dir={tmp_path} already holds runs")
+    assert result.stdout.strip().splitlines()[-1] == "False"
