@@ -8,7 +8,7 @@ Any other command runs through bash. test_readme runs each docs page's commands 
     python tests/forked_commands.py '[["FOLDER", ["COMMAND", ...]], ...]'
 
 runs each folder's shell commands in it, the folders in order; stops at the first command that fails.
-Prints one JSON line per command run: {"command", "returncode", "stdout", "stderr", "seconds"}.
+Prints one JSON line per command run: {"command", "returncode", "stdout", "stderr"}.
 """
 
 import atexit
@@ -20,7 +20,6 @@ import shlex
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 
 import hydra  # noqa: F401  (imported once, here, for every command forked from this process)
@@ -128,9 +127,7 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.getrlimit(resource.RLIMIT_FSIZE)[1],) * 2)
     for cwd, commands in json.loads(sys.argv[1]):
         for command in commands:
-            started = time.monotonic()
             result = run(command, cwd)
-            result["seconds"] = round(time.monotonic() - started, 2)
             print(json.dumps(result), flush=True)  # (flushed: a child forked next holds no copy of it)
             if result["returncode"] != 0:
                 return
